@@ -1,0 +1,43 @@
+# Two commands matter: `make demo` and `make test`. Both create .venv on first use.
+#
+# Torch: a torch importable by $(PYTHON) (your own CUDA or ROCm build, say) is kept: the venv then sees the
+# system site-packages. Otherwise $(TORCH_SPEC) is installed, by default the pinned CPU-capable release;
+# set TORCH_INDEX to pull it from another wheel index (e.g. https://download.pytorch.org/whl/rocm6.4).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+STAMP := $(VENV)/.zaya-installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@if [ ! -x $(BIN)/python ]; then \
+		if $(PYTHON) -c 'import torch' >/dev/null 2>&1; then \
+			echo "using the torch already installed for $(PYTHON)"; \
+			$(PYTHON) -m venv --system-site-packages $(VENV); \
+		else \
+			$(PYTHON) -m venv $(VENV); \
+		fi; \
+	fi
+	@$(BIN)/python -c 'import torch' >/dev/null 2>&1 || \
+		$(BIN)/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
+	$(BIN)/python -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m zaya.demo
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

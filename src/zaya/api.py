@@ -1,0 +1,168 @@
+"""The Python API for scripts and notebooks: build, load, convert and export models.
+
+    model = zaya.build_model("tiny")                 # freshly initialised
+    model = zaya.load_model("path/to/dir")           # an HF directory or one of our checkpoints
+    logits = model(torch.tensor([[2, 17, 5]]))       # [B, T] ids -> [B, T, V] logits
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from zaya.device import resolve_device
+from zaya.errors import ZayaError
+from zaya.model.config import ZayaConfig
+from zaya.model.hf import (
+    TensorSource,
+    config_from_legacy,
+    config_from_native,
+    detect_layout,
+    load_hf_state,
+    native_config_json,
+    read_config_json,
+    save_hf_state,
+)
+from zaya.model.presets import get_preset
+from zaya.model.transformer import Zaya
+from zaya.train import checkpoint
+
+LayoutChoice = Literal["auto", "native", "legacy"]
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def build_model(
+    preset_or_config: str | ZayaConfig,
+    *,
+    device: str | torch.device | None = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int | None = None,
+) -> Zaya:
+    """A freshly initialised model from a preset name (`"tiny"`, `"zaya1-base"`, ...) or a `ZayaConfig`."""
+    config = get_preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
+    device = resolve_device(device)
+    generator_state = torch.random.get_rng_state() if seed is not None else None
+    if seed is not None:
+        torch.manual_seed(seed)
+    try:
+        with torch.device(device):
+            model = Zaya(config)
+    finally:
+        if generator_state is not None:
+            torch.random.set_rng_state(generator_state)
+    if dtype is not None:
+        model.to(dtype)
+    return model
+
+
+def empty_model(config: ZayaConfig, device: torch.device, dtype: torch.dtype) -> Zaya:
+    """A model whose weights are allocated but not initialised (they are about to be loaded)."""
+    with torch.device("meta"):
+        model = Zaya(config)
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.rotary.set_base(config.rope_theta)  # a non-persistent buffer: recomputed, not loaded
+    return model
+
+
+def model_dir_kind(path: Path) -> str:
+    """'checkpoint' (ours) or 'hf' (config.json + safetensors), else a `ZayaError`."""
+    if not path.exists():
+        raise ZayaError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise ZayaError(f"{path}: not a directory")
+    if checkpoint.is_checkpoint(path):
+        return "checkpoint"
+    if (path / "config.json").exists():
+        return "hf"
+    if (path / checkpoint.CONFIG_FILE).exists():
+        raise ZayaError(f"{path}: checkpoint has no {checkpoint.METADATA_FILE}")
+    raise ZayaError(f"{path}: neither a Hugging Face directory (config.json) nor a zaya checkpoint (zaya.json)")
+
+
+def read_hf_config(path: Path, layout: LayoutChoice = "auto") -> tuple[ZayaConfig, str]:
+    """The model config of an HF directory and its layout ('native' or 'legacy')."""
+    source = path / "config.json"
+    data = read_config_json(source)
+    chosen = detect_layout(data) if layout == "auto" else layout
+    config = config_from_legacy(data, source) if chosen == "legacy" else config_from_native(data, source)
+    return config, chosen
+
+
+def load_model(
+    path: str | Path,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    layout: LayoutChoice = "auto",
+) -> Zaya:
+    """Load a model from an HF directory (native or legacy layout) or one of our checkpoint directories.
+
+    `dtype=None` keeps the dtype the weights were stored in. The model is returned in eval mode.
+    """
+    path = Path(path)
+    device = resolve_device(device)
+    if model_dir_kind(path) == "checkpoint":
+        config, info = checkpoint.read_checkpoint_config(path)
+        stored = getattr(torch, str(info.get("dtype", "float32")), torch.float32)
+        model = empty_model(config, torch.device("cpu"), stored)
+        checkpoint.load_model_weights(path, model)
+    else:
+        config, chosen = read_hf_config(path, layout)
+        source_dtype = TensorSource(path).dtype()
+        model = empty_model(config, torch.device("cpu"), source_dtype)
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        state = load_hf_state(path, config, expected, chosen)
+        model.load_state_dict(state)
+    model.to(device=device, dtype=dtype)
+    return model.eval()
+
+
+def export_hf(model: Zaya, directory: str | Path, *, tokenizer: Path | None = None) -> None:
+    """Write `model` as an HF-native directory (config.json + model.safetensors [+ tokenizer.json]) that
+    `transformers.AutoModelForCausalLM.from_pretrained` loads with no missing or unexpected keys."""
+    directory = Path(directory)
+    _fresh_output(directory)
+    tmp = directory.with_name(directory.name + ".tmp")
+    try:
+        state = model.state_dict()
+        save_hf_state(tmp, state, model.config, layout="native")
+        dtype = model.embed.weight.dtype
+        checkpoint._write_json(tmp / "config.json", native_config_json(model.config, dtype))
+        if tokenizer is not None and tokenizer.is_file():
+            shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+        tmp.rename(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def convert(src: str | Path, dst: str | Path, *, layout: LayoutChoice = "auto") -> str:
+    """Convert between an HF directory and our checkpoint format; the direction follows from `src`.
+
+    Returns "hf->zaya" or "zaya->hf".
+    """
+    src, dst = Path(src), Path(dst)
+    kind = model_dir_kind(src)
+    if dst.exists():
+        raise ZayaError(f"{dst}: already exists; refusing to overwrite")
+    model = load_model(src, device="cpu", layout=layout)
+    tokenizer = src / TOKENIZER_FILE
+    if kind == "hf":
+        extra = [tokenizer] if tokenizer.is_file() else []
+        checkpoint.save_model_checkpoint(dst, model, model.config, extra_files=extra)
+        return "hf->zaya"
+    export_hf(model, dst, tokenizer=tokenizer)
+    return "zaya->hf"
+
+
+def _fresh_output(directory: Path) -> None:
+    if directory.exists():
+        raise ZayaError(f"{directory}: already exists; refusing to overwrite")
+    tmp = directory.with_name(directory.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)

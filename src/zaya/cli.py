@@ -1,0 +1,173 @@
+"""The `zaya` command. Each subcommand is a thin layer over the Python API; a `ZayaError` (bad input) becomes
+one line on stderr and exit code 2, without a traceback."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+import torch
+
+from zaya.errors import ZayaError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else DTYPES[name]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="zaya-stack")
+def cli() -> None:
+    """zaya: train, run and convert ZAYA1-style Mixture-of-Experts language models."""
+
+
+# ---- params -------------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def params(model: str, as_json: bool) -> None:
+    """Parameter counts of a preset or a model directory (computed without allocating weights)."""
+    from zaya.model.params import parameter_report
+    from zaya.model.presets import PRESETS, get_preset
+
+    config = get_preset(model) if model in PRESETS else _config_of_dir(Path(model))
+    report = parameter_report(config)
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format())
+
+
+def _config_of_dir(path: Path):
+    from zaya.api import model_dir_kind, read_hf_config
+    from zaya.train.checkpoint import read_checkpoint_config
+
+    if not path.exists():
+        from zaya.model.presets import PRESETS
+
+        raise ZayaError(f"'{path}' is neither a preset ({', '.join(PRESETS)}) nor an existing directory")
+    if model_dir_kind(path) == "checkpoint":
+        return read_checkpoint_config(path)[0]
+    return read_hf_config(path)[0]
+
+
+# ---- generate -----------------------------------------------------------------------------------------
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError:
+        raise ZayaError(f"--prompt-ids must be comma-separated integers, got '{text}'") from None
+    if not ids:
+        raise ZayaError("--prompt-ids is empty")
+    return ids
+
+
+@cli.command()
+@click.option("--model", "model_path", required=True, type=click.Path(path_type=Path),
+              help="An HF directory (config.json + safetensors) or a zaya checkpoint directory.")
+@click.option("--prompt", default=None, help="Prompt text (needs a tokenizer.json).")
+@click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 5,17,3.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=0))
+@click.option("--greedy", is_flag=True, help="Pick the most likely token (the default without --temperature/--top-p).")
+@click.option("--temperature", type=float, default=None, help="Sample at this temperature.")
+@click.option("--top-p", type=float, default=None, help="Sample from the smallest set of tokens with this mass.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling.")
+@click.option("--output", type=click.Choice(["text", "ids"]), default="text", show_default=True,
+              help="'ids' prints only the generated ids, comma-separated, on one line.")
+@click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+              help="tokenizer.json to use instead of the one in the model directory.")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the accelerator if any).")
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None, help="Default: as stored.")
+@click.option("--stop-at-eos/--no-stop-at-eos", default=True, show_default=True)
+def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature, top_p, seed, output, tokenizer,
+             device, dtype, stop_at_eos) -> None:
+    """Continue a prompt with a model."""
+    from zaya.api import load_model
+    from zaya.infer.generate import Sampling, check_prompt
+    from zaya.infer.generate import generate as run_generate
+    from zaya.infer.tokenizer import find_tokenizer, load_tokenizer
+
+    if (prompt is None) == (prompt_ids is None):
+        raise ZayaError("give exactly one of --prompt and --prompt-ids")
+    if greedy and (temperature is not None or top_p is not None):
+        raise ZayaError("--greedy cannot be combined with --temperature or --top-p")
+    sampling = Sampling(
+        greedy=temperature is None and top_p is None,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        seed=seed,
+    )
+    tokenizer_path = tokenizer or find_tokenizer(model_path)
+    tok = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
+    if prompt is not None and tok is None:
+        raise ZayaError(f"{model_path}: no tokenizer.json found; pass --tokenizer or use --prompt-ids")
+    model = load_model(model_path, device=device, dtype=_dtype(dtype))
+    ids = tok.encode(prompt).ids if prompt is not None else _parse_ids(prompt_ids)
+    ids_tensor = torch.tensor([ids], dtype=torch.long)
+    check_prompt(ids_tensor, model.config.vocab_size)
+
+    eos = model.config.eos_token_id if stop_at_eos else None
+    if output == "ids" or tok is None:
+        new = run_generate(model, ids_tensor, max_new_tokens, sampling, eos_token_id=eos)
+        click.echo(",".join(str(i) for i in new[0].tolist()))
+        return
+    # stream text as it is produced, decoding the whole continuation so multi-byte tokens come out right
+    produced: list[int] = []
+    shown = ""
+
+    def show(token: torch.Tensor) -> None:
+        nonlocal shown
+        produced.append(int(token[0]))
+        text = tok.decode(produced)
+        if not text.endswith("\ufffd"):
+            click.echo(text[len(shown):], nl=False)
+            shown = text
+
+    if prompt is not None:
+        click.echo(prompt, nl=False)
+    run_generate(model, ids_tensor, max_new_tokens, sampling, eos_token_id=eos, on_token=show)
+    click.echo(tok.decode(produced)[len(shown):])
+
+
+# ---- convert ------------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--layout", type=click.Choice(["auto", "native", "legacy"]), default="auto", show_default=True,
+              help="Key layout of an HF source: 'legacy' is ZAYA1-base's 80-layer layout.")
+def convert(src: Path, dst: Path, layout: str) -> None:
+    """Convert between a Hugging Face directory and a zaya checkpoint (the direction follows from SRC)."""
+    from zaya.api import convert as run_convert
+
+    direction = run_convert(src, dst, layout=layout)
+    click.echo(f"{direction}: wrote {dst}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `zaya` console script."""
+    try:
+        cli.main(args=argv, prog_name="zaya", standalone_mode=False)
+    except ZayaError as exc:
+        click.echo(f"zaya: error: {exc}", err=True)
+        return 2
+    except click.exceptions.Abort:
+        click.echo("zaya: aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Compressed Convolutional Grouped-Query Attention (CCGQA), spec section 4, and its decode cache.
+
+Per token t (x_t is the RMSNorm'd stream, j = h // g the KV head of query head h):
+
+    1. q~_t = W_q x_t,  k~_t = W_k x_t
+    2. mu^q_{t,h} = (q~_{t,h} + k~_{t,j}) / 2,   mu^k_{t,j} = mean over the g heads of group j of mu^q_{t,h}
+    3. p_t = [q~_t | k~_t], left-padded with zeros; two causal convolutions over time:
+         y_t = sum_i w0[i] * p_{t-k0+1+i} + b0                (depthwise)
+         z_t = sum_j A_j y_{t-k1+1+j} + b1                    (per head: A_j block-diagonal, one block per head)
+       the intermediate y is not re-padded, so for ZAYA1's kernels y_{-1} = b0, not 0.
+    4. q_t = z^q_t + mu^q_t,  k_t = z^k_t + mu^k_t
+    5. value shift: v_t = [W_vcur x_t | W_vdel x_{t-1}] (x_{-1} = 0): the first half of the KV heads read the
+       current token, the second half the previous one.
+    6. q^ = sqrt(d) q / |q|,  k^_j = sqrt(d) tau_j k_j / |k_j|     (per-KV-head temperature tau)
+    7. partial NeoX RoPE on the first rotary_dim dims of q^ and k^
+    8. causal softmax attention of the query heads over the shared KV heads, scale 1/sqrt(d); then W_o.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zaya.model.config import ZayaConfig
+from zaya.model.layers import apply_rotary
+
+
+class AttentionCache:
+    """Decode state of one attention layer, so that each new token costs O(1) projection and conv work.
+
+    Holds the post-norm, post-RoPE keys and the values ([B, n_k, T, d], in a buffer that grows by doubling),
+    the last `conv_padding` pre-convolution packed vectors p (the convolutions' state) and the last
+    W_vdel x (the value-shift state).
+    """
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.length = 0
+        self.conv_state: torch.Tensor | None = None  # [B, P, C]
+        self.value_state: torch.Tensor | None = None  # [B, 1, n_k * d / 2]
+
+    def append(self, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new keys/values and return views of everything cached so far."""
+        B, H, T, d = k_BHTd.shape
+        end = self.length + T
+        if self.keys is None or end > self.keys.shape[2]:
+            capacity = max(end, 2 * (self.keys.shape[2] if self.keys is not None else 0), 64)
+            keys = k_BHTd.new_empty(B, H, capacity, d)
+            values = v_BHTd.new_empty(B, H, capacity, d)
+            if self.keys is not None:
+                keys[:, :, : self.length] = self.keys[:, :, : self.length]
+                values[:, :, : self.length] = self.values[:, :, : self.length]
+            self.keys, self.values = keys, values
+        self.keys[:, :, self.length : end] = k_BHTd
+        self.values[:, :, self.length : end] = v_BHTd
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep only the batch rows `index` (beam search, dropping finished sequences)."""
+        for name in ("keys", "values", "conv_state", "value_state"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, index))
+
+
+class DecodeCache:
+    """The decode state of a whole model: one `AttentionCache` per block (MoE layers need none)."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [AttentionCache() for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        """Tokens seen so far (the position of the next token)."""
+        return self.layers[0].length
+
+    def reorder(self, index: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.reorder(index)
+
+
+class CompressedConvAttention(nn.Module):
+    """CCGQA: compressed q/k latents mixed by two causal convolutions, q-k mean sharing, value shift,
+    L2 q/k norm with a per-KV-head key temperature, and partial RoPE."""
+
+    def __init__(self, config: ZayaConfig):
+        super().__init__()
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.group_size = config.group_size
+        self.kernel0 = config.cca_time0
+        self.kernel1 = config.cca_time1
+        self.padding = config.conv_padding
+        D, Q, K, C = config.hidden_size, config.query_latent, config.key_latent, config.conv_channels
+
+        self.q_proj = nn.Linear(D, Q, bias=False)
+        self.k_proj = nn.Linear(D, K, bias=False)
+        self.v_cur_proj = nn.Linear(D, K // 2, bias=False)
+        self.v_del_proj = nn.Linear(D, K // 2, bias=False)
+        # Stored in nn.Conv1d's weight layout, [C_out, C_in / groups, kernel], the layout of the checkpoints.
+        self.conv0_weight = nn.Parameter(torch.empty(C, 1, self.kernel0))
+        self.conv0_bias = nn.Parameter(torch.zeros(C))
+        self.conv1_weight = nn.Parameter(torch.empty(C, self.head_dim, self.kernel1))
+        self.conv1_bias = nn.Parameter(torch.zeros(C))
+        self.temp = nn.Parameter(torch.full((self.num_kv_heads,), float(config.temp_init)))
+        self.o_proj = nn.Linear(Q, D, bias=False)
+
+    # ---- step 3: the two causal convolutions --------------------------------------------------------
+
+    def _depthwise(self, p_ext: torch.Tensor, out_len: int) -> torch.Tensor:
+        """y_t = sum_i w0[i] p_{t+i} + b0 over the padded sequence p_ext [B, out_len + k0 - 1, C]."""
+        w0 = self.conv0_weight[:, 0, :].to(p_ext.dtype)
+        y = self.conv0_bias.to(p_ext.dtype) + w0[:, 0] * p_ext[:, :out_len]
+        for i in range(1, self.kernel0):
+            y = y + w0[:, i] * p_ext[:, i : i + out_len]
+        return y
+
+    def _grouped(self, y: torch.Tensor, out_len: int) -> torch.Tensor:
+        """z_t = sum_j A_j y_{t+j} + b1 where each A_j is block-diagonal with one d x d block per head."""
+        B, _, C = y.shape
+        G, d = C // self.head_dim, self.head_dim
+        # Windows of k1 consecutive y's per head: [B, T, G, d * k1], ordered (channel, tap) like the weight.
+        windows = y.unfold(1, self.kernel1, 1).reshape(B, out_len, G, d * self.kernel1)
+        weight = self.conv1_weight.to(y.dtype).reshape(G, d, d * self.kernel1)
+        z = torch.einsum("btgi,goi->btgo", windows, weight).reshape(B, out_len, C)
+        return z + self.conv1_bias.to(y.dtype)
+
+    # ---- forward ------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: AttentionCache | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        Hq, Hk, d, g = self.num_q_heads, self.num_kv_heads, self.head_dim, self.group_size
+
+        # 1. compressed projections
+        q_lat = self.q_proj(x_BTD)
+        k_lat = self.k_proj(x_BTD)
+
+        # 2. q-k mean sharing (pre-convolution residuals)
+        mu_q = (q_lat.view(B, T, Hq, d) + k_lat.view(B, T, Hk, 1, d).expand(B, T, Hk, g, d).reshape(B, T, Hq, d)) * 0.5
+        mu_k = mu_q.view(B, T, Hk, g, d).mean(dim=3)
+
+        # 3. packed causal convolutions; the state is the last P pre-convolution vectors (zeros at the start)
+        p = torch.cat([q_lat, k_lat], dim=-1)
+        if cache is not None and cache.conv_state is not None:
+            past = cache.conv_state.to(p.dtype)
+        else:
+            past = p.new_zeros(B, self.padding, p.shape[-1])
+        p_ext = torch.cat([past, p], dim=1)
+        if cache is not None:
+            cache.conv_state = p_ext[:, p_ext.shape[1] - self.padding :].detach()
+        y = self._depthwise(p_ext, T + self.kernel1 - 1)
+        z = self._grouped(y, T)
+
+        # 4. add the mean-shared residuals back
+        q = z[..., : Hq * d].reshape(B, T, Hq, d) + mu_q
+        k = z[..., Hq * d :].reshape(B, T, Hk, d) + mu_k
+
+        # 5. value shift: KV heads 0..Hk/2-1 read the current token, the rest the previous one
+        v_cur = self.v_cur_proj(x_BTD)
+        v_del_now = self.v_del_proj(x_BTD)
+        if cache is not None and cache.value_state is not None:
+            v_prev = cache.value_state.to(v_del_now.dtype)
+        else:
+            v_prev = v_del_now.new_zeros(B, 1, v_del_now.shape[-1])
+        if cache is not None:
+            cache.value_state = v_del_now[:, -1:].detach()
+        v_del = torch.cat([v_prev, v_del_now[:, :-1]], dim=1)
+        v = torch.cat([v_cur, v_del], dim=-1).view(B, T, Hk, d)
+
+        # 6. L2 normalisation to length sqrt(d), with the learned key temperature
+        eps = torch.finfo(q.dtype).eps
+        scale = math.sqrt(d)
+        q = q * (scale / q.norm(p=2, dim=-1, keepdim=True).clamp_min(eps))
+        k = k * (scale / k.norm(p=2, dim=-1, keepdim=True).clamp_min(eps))
+        k = k * self.temp.to(k.dtype)[None, None, :, None]
+
+        # 7. partial RoPE at absolute positions
+        q = apply_rotary(q, cos, sin).transpose(1, 2)
+        k = apply_rotary(k, cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+
+        # 8. grouped-query causal attention over the cache
+        past_len = 0
+        if cache is not None:
+            past_len = cache.length
+            k, v = cache.append(k, v)
+        out = _causal_attention(q, k.to(q.dtype), v.to(q.dtype), past_len)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, Hq * d))
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int) -> torch.Tensor:
+    """Softmax attention of q [B, Hq, T, d] over k, v [B, Hk, past_len + T, d], causal in absolute positions."""
+    T, S = q.shape[2], k.shape[2]
+    if past_len == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+    if T == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    allowed = torch.arange(S, device=q.device)[None, :] <= (past_len + torch.arange(T, device=q.device))[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)

@@ -1,0 +1,162 @@
+"""The model's shape and numerics: one typed dataclass, validated on construction.
+
+Field names follow the Hugging Face native ZAYA config (`hidden_size`, `num_hidden_layers`, ...), so a
+`config.json` maps onto it field by field; the few fields of our own are documented where they are declared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from zaya.errors import ZayaError
+
+SkipRoute = Literal["zero", "identity"]
+
+
+@dataclass
+class ZayaConfig:
+    """Shape of a ZAYA1-style model (native 40-block form: one CCGQA attention + one MoE sublayer per block)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int  # blocks; the legacy checkpoint layout has twice as many "layers"
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int  # routed experts; the router emits one more logit for the skip route
+    moe_intermediate_size: int  # F, the width of one SwiGLU expert
+    router_hidden_size: int
+    cca_time0: int = 2  # kernel of the depthwise convolution
+    cca_time1: int = 2  # kernel of the per-head grouped convolution
+    partial_rotary_factor: float = 0.5
+    rope_theta: float = 10_000.0
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    # Key temperature at init. Public code uses 0, which zeroes every key at step 0 (spec section 8).
+    temp_init: float = 0.0
+    # What the skip (MoD) route outputs: "zero" as in the HF-native code, "identity" (gate * x) as in the
+    # legacy ZAYA1-base code. Practically moot while its balancing bias is -1 (spec section 5.1).
+    skip_route: SkipRoute = "zero"
+    # Compute the tied LM head in fp32 (`zaya_high_prec` of the public configs).
+    fp32_logits: bool = True
+    pad_token_id: int = 0
+    bos_token_id: int = 2
+    eos_token_id: int = 1
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- derived shapes -------------------------------------------------------------------------------
+
+    @property
+    def query_latent(self) -> int:
+        """Width of all query heads together (1024 for ZAYA1: half of d_model)."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def key_latent(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the packed [queries | keys] vector that the two convolutions mix."""
+        return self.query_latent + self.key_latent
+
+    @property
+    def conv_padding(self) -> int:
+        """Total causal left padding of the two convolutions (2 for ZAYA1's kernels of 2)."""
+        return (self.cca_time0 - 1) + (self.cca_time1 - 1)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def kv_cache_values_per_token(self) -> int:
+        """Values stored per token per layer in the decode cache (keys + values): 2 * n_k * head_dim."""
+        return 2 * self.key_latent
+
+    # ---- validation and (de)serialisation -------------------------------------------------------------
+
+    def validate(self, source: str = "model config") -> None:
+        """Raise `ZayaError` naming the first field whose value cannot describe a ZAYA model."""
+        positive = [
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "num_experts", "moe_intermediate_size", "router_hidden_size", "cca_time0", "cca_time1",
+            "max_position_embeddings",
+        ]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ZayaError(f"{source}: field '{name}' must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ZayaError(
+                f"{source}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.key_latent % 2:
+            raise ZayaError(f"{source}: num_key_value_heads * head_dim must be even (the value shift splits it in two)")
+        if not (0.0 < self.partial_rotary_factor <= 1.0):
+            raise ZayaError(
+                f"{source}: field 'partial_rotary_factor' must be in (0, 1], got {self.partial_rotary_factor}"
+            )
+        if self.head_dim * self.partial_rotary_factor != self.rotary_dim or self.rotary_dim % 2:
+            raise ZayaError(
+                f"{source}: head_dim * partial_rotary_factor must be an even integer, got "
+                f"{self.head_dim} * {self.partial_rotary_factor}"
+            )
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise ZayaError(f"{source}: field '{name}' must be a positive number, got {value!r}")
+        if not isinstance(self.temp_init, (int, float)) or isinstance(self.temp_init, bool) or not math.isfinite(
+            self.temp_init
+        ):
+            raise ZayaError(f"{source}: field 'temp_init' must be a finite number, got {self.temp_init!r}")
+        if not isinstance(self.fp32_logits, bool):
+            raise ZayaError(f"{source}: field 'fp32_logits' must be true or false, got {self.fp32_logits!r}")
+        if self.skip_route not in ("zero", "identity"):
+            raise ZayaError(f"{source}: field 'skip_route' must be 'zero' or 'identity', got {self.skip_route!r}")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not (0 <= value < self.vocab_size):
+                raise ZayaError(f"{source}: field '{name}' must be a token id below vocab_size, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "model config") -> ZayaConfig:
+        """Build from a dict, refusing unknown fields and wrong types with a message naming `source`."""
+        if not isinstance(data, dict):
+            raise ZayaError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ZayaError(f"{source}: unknown field '{unknown[0]}'")
+        missing = [name for name, f in fields.items() if name not in data and f.default is dataclasses.MISSING]
+        if missing:
+            raise ZayaError(f"{source}: missing field '{missing[0]}'")
+        clean = {}
+        for name, value in data.items():
+            default = fields[name].default
+            if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            clean[name] = value
+        config = cls.__new__(cls)
+        for name, f in fields.items():
+            setattr(config, name, clean.get(name, f.default))
+        config.validate(source)
+        return config
+
+    def replace(self, **changes: Any) -> ZayaConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,62 @@
+"""Named model shapes: the one complexity dial of the model family.
+
+`micro` and `mini` are the smallest faithful configs of the spec (section 12: every feature kept); `tiny` and
+`small` are CPU training sizes; `zaya1-base` and `zaya1-8b` are the published shapes.
+"""
+
+from __future__ import annotations
+
+from zaya.errors import ZayaError
+from zaya.model.config import ZayaConfig
+
+_ZAYA1_SHAPE = dict(
+    vocab_size=262_272,
+    hidden_size=2048,
+    num_hidden_layers=40,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    num_experts=16,
+    moe_intermediate_size=2048,
+    router_hidden_size=256,
+    pad_token_id=0,
+    bos_token_id=2,
+)
+
+PRESETS: dict[str, dict] = {
+    "micro": dict(
+        vocab_size=512, hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=4, moe_intermediate_size=64, router_hidden_size=32,
+    ),
+    "mini": dict(
+        vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, num_experts=8, moe_intermediate_size=128, router_hidden_size=64,
+    ),
+    "tiny": dict(
+        vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, num_experts=8, moe_intermediate_size=256, router_hidden_size=64,
+    ),
+    "small": dict(
+        vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=32, num_experts=16, moe_intermediate_size=512, router_hidden_size=128,
+    ),
+    # ZAYA1-base: the legacy checkpoint (identity-gated skip route), RoPE base 1e6, 32k positions, eos 1.
+    "zaya1-base": dict(
+        _ZAYA1_SHAPE, rope_theta=1_000_000.0, max_position_embeddings=32_768, eos_token_id=1, skip_route="identity",
+    ),
+    # ZAYA1-8B: the HF-native checkpoint, RoPE base 5e6, 131k positions, eos <end_of_turn> = 106.
+    "zaya1-8b": dict(
+        _ZAYA1_SHAPE, rope_theta=5_000_000.0, max_position_embeddings=131_072, eos_token_id=106, skip_route="zero",
+    ),
+}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def get_preset(name: str, **overrides) -> ZayaConfig:
+    """The named preset as a config; `overrides` replace fields (e.g. `temp_init=1.0`)."""
+    if name not in PRESETS:
+        raise ZayaError(f"unknown model preset '{name}' (known: {', '.join(PRESETS)})")
+    return ZayaConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,165 @@
+"""The ZAYA1 decoder in its native form (spec section 3.1): 40 blocks of CCGQA attention + MoE.
+
+    h_0     = (e + b_in) * s_in                                           (fp32 from here on)
+    a_l     = CCA_l(RMSNorm(h_l))
+    u_l     = (a_l + b^A_o) * s^A_o + (h_l + b^A_h) * s^A_h               (residual scaling)
+    m_l, r_l = MoE_l(RMSNorm(u_l), r_{l-1})                               (r: router state, EDA)
+    h_{l+1} = (m_l + b^M_o) * s^M_o + (u_l + b^M_h) * s^M_h
+    logits  = RMSNorm(h_L) E^T                                            (tied embeddings; fp32 optionally)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zaya.model.attention import AttentionCache, CompressedConvAttention, DecodeCache
+from zaya.model.config import ZayaConfig
+from zaya.model.layers import EmbeddingScaling, ResidualScaling, RMSNorm, RotaryEmbedding
+from zaya.model.moe import Experts, ZayaMoE
+from zaya.model.router import Routing, ZayaRouter, initial_balancing_biases
+
+
+class RouterStats:
+    """Collects what the routers decided during one or more forward passes, without host syncs.
+
+    `counts[l, i]` is how many tokens MoE layer l sent to route i (the last column is the skip route),
+    `entropy_sum[l]` the summed entropy of its routing distributions, `tokens` the tokens seen per layer.
+    """
+
+    def __init__(self, num_layers: int, num_routes: int, device: torch.device | str = "cpu"):
+        self.counts = torch.zeros(num_layers, num_routes, dtype=torch.int64, device=device)
+        self.entropy_sum = torch.zeros(num_layers, dtype=torch.float64, device=device)
+        self.tokens = 0
+
+    def record(self, layer: int, routing: Routing) -> None:
+        with torch.no_grad():
+            self.counts[layer] += torch.bincount(routing.route, minlength=self.counts.shape[1])
+            p = routing.probs
+            self.entropy_sum[layer] += -(p * torch.log(p.clamp_min(1e-30))).sum().double()
+        if layer == 0:
+            self.tokens += routing.route.numel()
+
+
+class ZayaBlock(nn.Module):
+    """One native block: attention sublayer and MoE sublayer, each merged by residual scaling."""
+
+    def __init__(self, config: ZayaConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = CompressedConvAttention(config)
+        self.attn_residual = ResidualScaling(config.hidden_size)
+        self.moe_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.moe = ZayaMoE(config, use_eda=index > 0)
+        self.moe_residual = ResidualScaling(config.hidden_size)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        router_state: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: AttentionCache | None = None,
+        stats: RouterStats | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.attn(self.attn_norm(h), cos, sin, cache)
+        u = self.attn_residual(a, h)
+        m, routing = self.moe(self.moe_norm(u), router_state)
+        if stats is not None:
+            stats.record(self.index, routing)
+        return self.moe_residual(m, u), routing.state
+
+
+class Zaya(nn.Module):
+    """A ZAYA1-style MoE language model. `model(ids)` maps token ids [B, T] to logits [B, T, V]."""
+
+    def __init__(self, config: ZayaConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scaling = EmbeddingScaling(config.hidden_size)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        self.blocks = nn.ModuleList(ZayaBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise as the HF-native code does (spec section 8): N(0, initializer_range) for every matrix,
+        the embedding, the experts and the convolutions; zeros for biases; ones for norms, scales and EDA
+        gammas; `temp_init` for the key temperatures; balancing biases 0 with the skip route at -1."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, 0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, Experts):
+                nn.init.normal_(module.gate_up_proj, 0.0, std)
+                nn.init.normal_(module.down_proj, 0.0, std)
+            elif isinstance(module, CompressedConvAttention):
+                nn.init.normal_(module.conv0_weight, 0.0, std)
+                nn.init.normal_(module.conv1_weight, 0.0, std)
+                nn.init.zeros_(module.conv0_bias)
+                nn.init.zeros_(module.conv1_bias)
+                module.temp.fill_(self.config.temp_init)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, ResidualScaling):
+                for scale in (module.branch_scale, module.stream_scale):
+                    nn.init.ones_(scale)
+                for bias in (module.branch_bias, module.stream_bias):
+                    nn.init.zeros_(bias)
+            elif isinstance(module, EmbeddingScaling):
+                nn.init.ones_(module.scale)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, ZayaRouter):
+                if module.router_states_scale is not None:
+                    nn.init.ones_(module.router_states_scale)
+                module.balancing_biases.copy_(initial_balancing_biases(module.num_experts))
+
+    def new_cache(self) -> DecodeCache:
+        """An empty decode cache for `forward(..., cache=...)`."""
+        return DecodeCache(len(self.blocks))
+
+    def set_rope_theta(self, base: float) -> None:
+        """Change the RoPE base (a context-extension phase raises it)."""
+        self.config.rope_theta = float(base)
+        self.rotary.set_base(float(base))
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        cache: DecodeCache | None = None,
+        router_stats: RouterStats | None = None,
+    ) -> torch.Tensor:
+        """The final-normed hidden states [B, T, D], before the tied LM head."""
+        T = input_ids.shape[1]
+        past = cache.length if cache is not None else 0
+        positions = torch.arange(past, past + T, device=input_ids.device)
+        cos, sin = self.rotary(positions)
+        h = self.embed_scaling(self.embed(input_ids))
+        router_state = None
+        for i, block in enumerate(self.blocks):
+            layer_cache = cache.layers[i] if cache is not None else None
+            h, router_state = block(h, router_state, cos, sin, layer_cache, router_stats)
+        return self.norm(h)
+
+    def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """The tied LM head; in fp32 when `config.fp32_logits` (then untouched by autocast)."""
+        if self.config.fp32_logits:
+            with torch.autocast(hidden_BTD.device.type, enabled=False):
+                return F.linear(hidden_BTD.float(), self.embed.weight.float())
+        return F.linear(hidden_BTD, self.embed.weight)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: DecodeCache | None = None,
+        *,
+        router_stats: RouterStats | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] for token ids [B, T]. With a `cache`, the ids continue what it has seen."""
+        return self.logits(self.hidden_states(input_ids, cache, router_stats))

@@ -1,0 +1,1 @@
+"""zaya.resilience"""
