@@ -128,9 +128,10 @@ def export_hf(model: Zaya, directory: str | Path, *, tokenizer: Path | None = No
     _fresh_output(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     try:
-        state = model.state_dict()
-        save_hf_state(tmp, state, model.config, layout="native")
         dtype = model.embed.weight.dtype
+        # Routers keep their balancing biases in fp32; the HF layout stores every tensor in the model's dtype.
+        state = {name: tensor.to(dtype) for name, tensor in model.state_dict().items()}
+        save_hf_state(tmp, state, model.config, layout="native")
         checkpoint._write_json(tmp / "config.json", native_config_json(model.config, dtype))
         if tokenizer is not None and tokenizer.is_file():
             shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)

@@ -38,3 +38,45 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return None
+
+
+# Dense bf16 tensor-core peaks (FLOP/s) of known accelerators, by a substring of the device name.
+_KNOWN_PEAKS_BF16 = {
+    "MI300X": 1307e12,
+    "MI325X": 1307e12,
+    "MI250X": 383e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+}
+
+
+def measure_matmul_flops(
+    device: torch.device, dtype: torch.dtype, size: int = 2048, seconds: float = 0.5
+) -> float:
+    """Measured FLOP/s of a square `size` matmul in `dtype` on `device`: this machine's practical peak."""
+    import time
+
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    torch.mm(a, b)
+    synchronize(device)
+    runs, start = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        runs += 1
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds and runs >= 3:
+            return 2 * size**3 * runs / elapsed
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """(FLOP/s, source): the table value for a known GPU in bf16, else a measurement on this device."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        name = torch.cuda.get_device_name(device)
+        for key, value in _KNOWN_PEAKS_BF16.items():
+            if key in name:
+                return value, f"table ({name})"
+    return measure_matmul_flops(device, dtype), "measured"

@@ -128,7 +128,7 @@ class CompressedConvAttention(nn.Module):
         # Windows of k1 consecutive y's per head: [B, T, G, d * k1], ordered (channel, tap) like the weight.
         windows = y.unfold(1, self.kernel1, 1).reshape(B, out_len, G, d * self.kernel1)
         weight = self.conv1_weight.to(y.dtype).reshape(G, d, d * self.kernel1)
-        z = torch.einsum("btgi,goi->btgo", windows, weight).reshape(B, out_len, C)
+        z = torch.einsum("btgi,goi->btgo", windows, weight).reshape(B, out_len, C).to(y.dtype)
         return z + self.conv1_bias.to(y.dtype)
 
     # ---- forward ------------------------------------------------------------------------------------
@@ -142,21 +142,25 @@ class CompressedConvAttention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         Hq, Hk, d, g = self.num_q_heads, self.num_kv_heads, self.head_dim, self.group_size
+        Q, K = Hq * d, Hk * d
+        # Elementwise math runs in the parameters' dtype (fp32 masters under autocast, bf16 for a bf16 model);
+        # only the matmuls drop to the autocast dtype.
+        dtype = self.temp.dtype
 
-        # 1. compressed projections
-        q_lat = self.q_proj(x_BTD)
-        k_lat = self.k_proj(x_BTD)
+        # 1. compressed projections, and both value projections, as one matmul over the stacked weights
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_cur_proj.weight, self.v_del_proj.weight])
+        p, v_cur, v_del_now = F.linear(x_BTD, weight).to(dtype).split([Q + K, K // 2, K // 2], dim=-1)
+        q_lat, k_lat = p[..., :Q], p[..., Q:]  # p_t = [q~_t | k~_t], the packed vector the convolutions mix
 
         # 2. q-k mean sharing (pre-convolution residuals)
-        mu_q = (q_lat.view(B, T, Hq, d) + k_lat.view(B, T, Hk, 1, d).expand(B, T, Hk, g, d).reshape(B, T, Hq, d)) * 0.5
-        mu_k = mu_q.view(B, T, Hk, g, d).mean(dim=3)
+        mu_q = (q_lat.reshape(B, T, Hk, g, d) + k_lat.reshape(B, T, Hk, 1, d)) * 0.5
+        mu_k = mu_q.mean(dim=3)
 
         # 3. packed causal convolutions; the state is the last P pre-convolution vectors (zeros at the start)
-        p = torch.cat([q_lat, k_lat], dim=-1)
         if cache is not None and cache.conv_state is not None:
-            past = cache.conv_state.to(p.dtype)
+            past = cache.conv_state.to(dtype)
         else:
-            past = p.new_zeros(B, self.padding, p.shape[-1])
+            past = p.new_zeros(B, self.padding, Q + K)
         p_ext = torch.cat([past, p], dim=1)
         if cache is not None:
             cache.conv_state = p_ext[:, p_ext.shape[1] - self.padding :].detach()
@@ -164,16 +168,14 @@ class CompressedConvAttention(nn.Module):
         z = self._grouped(y, T)
 
         # 4. add the mean-shared residuals back
-        q = z[..., : Hq * d].reshape(B, T, Hq, d) + mu_q
-        k = z[..., Hq * d :].reshape(B, T, Hk, d) + mu_k
+        q = z[..., :Q].reshape(B, T, Hq, d) + mu_q.reshape(B, T, Hq, d)
+        k = z[..., Q:].reshape(B, T, Hk, d) + mu_k
 
         # 5. value shift: KV heads 0..Hk/2-1 read the current token, the rest the previous one
-        v_cur = self.v_cur_proj(x_BTD)
-        v_del_now = self.v_del_proj(x_BTD)
         if cache is not None and cache.value_state is not None:
-            v_prev = cache.value_state.to(v_del_now.dtype)
+            v_prev = cache.value_state.to(dtype)
         else:
-            v_prev = v_del_now.new_zeros(B, 1, v_del_now.shape[-1])
+            v_prev = v_del_now.new_zeros(B, 1, K // 2)
         if cache is not None:
             cache.value_state = v_del_now[:, -1:].detach()
         v_del = torch.cat([v_prev, v_del_now[:, :-1]], dim=1)

@@ -38,6 +38,8 @@ class ResidualScaling(nn.Module):
         self.stream_bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, branch: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        # The branch may come out of an autocast matmul: lift it to the parameters' dtype before the affine.
+        branch = branch.to(self.branch_scale.dtype)
         return (branch + self.branch_bias) * self.branch_scale + (stream + self.stream_bias) * self.stream_scale
 
 

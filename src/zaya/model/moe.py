@@ -37,7 +37,8 @@ class Experts(nn.Module):
         """sum over tokens of weight * Expert_{expert}(x); `expert` must lie in 0..E-1."""
         order = torch.argsort(expert_N, stable=True)
         counts = torch.bincount(expert_N, minlength=self.num_experts)
-        x_sorted = _permute_rows(x_ND, order)
+        # cast before permuting: under autocast the experts run in bf16, and half the bytes move
+        x_sorted = _permute_rows(x_ND.to(autocast_dtype(x_ND.device) or x_ND.dtype), order)
         matmul = _grouped_matmul if self.use_grouped_mm else _padded_matmul
         h = matmul(x_sorted, self.gate_up_proj, counts)
         gate, up = h.chunk(2, dim=-1)
@@ -69,7 +70,7 @@ class ZayaMoE(nn.Module):
         weight = routing.gate.masked_fill(skipped, 0.0)
         out = self.experts(x, expert, weight)
         if self.skip_identity:
-            out = out + (routing.gate * skipped)[:, None].to(out.dtype) * x
+            out = out + ((routing.gate * skipped)[:, None] * x).to(out.dtype)
         return out.view(B, T, D), routing
 
 

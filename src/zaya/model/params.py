@@ -16,16 +16,13 @@ from zaya.model.transformer import Zaya
 
 # Component of each parameter, by the first name fragment that matches (order matters).
 _COMPONENTS = [
-    ("embed.", "embedding"),
-    ("embed_scaling.", "residual scaling"),
-    (".attn_residual.", "residual scaling"),
-    (".moe_residual.", "residual scaling"),
-    (".attn_norm.", "norms"),
-    (".moe_norm.", "norms"),
-    ("norm.", "norms"),
-    (".attn.", "attention"),
+    (".embed.", "embedding"),
+    (".embed_scaling.", "residual scaling"),
+    ("_residual.", "residual scaling"),
     (".moe.router.", "router"),
     (".moe.experts.", "experts"),
+    (".attn.", "attention"),
+    ("norm.", "norms"),
 ]
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from zaya.model.attention import AttentionCache, CompressedConvAttention, DecodeCache
 from zaya.model.config import ZayaConfig
 from zaya.model.layers import EmbeddingScaling, ResidualScaling, RMSNorm, RotaryEmbedding
+from zaya.model.loss import linear_cross_entropy
 from zaya.model.moe import Experts, ZayaMoE
 from zaya.model.router import Routing, ZayaRouter, initial_balancing_biases
 
@@ -153,6 +154,21 @@ class Zaya(nn.Module):
             with torch.autocast(hidden_BTD.device.type, enabled=False):
                 return F.linear(hidden_BTD.float(), self.embed.weight.float())
         return F.linear(hidden_BTD, self.embed.weight)
+
+    def loss(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        router_stats: RouterStats | None = None,
+        chunk_rows: int = 1024,
+    ) -> torch.Tensor:
+        """Mean next-token cross-entropy of `targets` [B, T] (-100 = ignored), without materialising logits."""
+        hidden = self.hidden_states(input_ids, router_stats=router_stats)
+        return linear_cross_entropy(
+            hidden.flatten(0, 1), self.embed.weight, targets.flatten(),
+            fp32_logits=self.config.fp32_logits, chunk_rows=chunk_rows,
+        )
 
     def forward(
         self,

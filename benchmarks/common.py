@@ -1,0 +1,49 @@
+"""Shared helpers for the benchmark scripts: the machine's description and a steady-state timer."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def machine() -> str:
+    """CPU model, core count and torch build, for the header every benchmark prints."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    threads = torch.get_num_threads()
+    return f"{cpu}, {threads} threads{gpu}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def header(title: str) -> None:
+    print(f"# {title}")
+    print(f"# date: {datetime.date.today().isoformat()}  machine: {machine()}")
+
+
+def time_it(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall-clock seconds of `fn` over `repeats` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def ratio_line(what: str, ours: float, peer: float, unit: str, higher_is_better: bool = True) -> str:
+    ratio = ours / peer if higher_is_better else peer / ours
+    return f"{what:<44} ours {ours:>12,.1f} {unit:<10} peer {peer:>12,.1f} {unit:<10} ratio {ratio:5.2f}x"

@@ -1,0 +1,49 @@
+"""Shared fixtures: small models with every parameter moved off its initial value."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import zaya
+
+warnings.filterwarnings("ignore", message=".*TypedStorage.*")
+
+
+def perturb(model: torch.nn.Module, seed: int = 0, scale: float = 0.05) -> torch.nn.Module:
+    """Add noise to every parameter, so residual scales, biases, EDA gammas and temperatures all matter."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+    return model
+
+
+@pytest.fixture
+def make_model():
+    """make_model(preset_or_config, seed=0, **overrides) -> a perturbed fp32 model in eval mode."""
+
+    def factory(preset_or_config="micro", seed: int = 0, **overrides):
+        if isinstance(preset_or_config, str):
+            config = zaya.get_preset(preset_or_config, **{"temp_init": 1.0, **overrides})
+        else:
+            config = preset_or_config.replace(**overrides) if overrides else preset_or_config
+        return perturb(zaya.build_model(config, seed=seed), seed=seed).eval()
+
+    return factory
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """Run the `zaya` command in-process; returns (exit code, stdout, stderr)."""
+    from zaya.cli import main
+
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def cli(capsys):
+    return lambda *args: run_cli(list(args), capsys)

@@ -1,0 +1,64 @@
+"""Generation with the decode cache: greedy equals recomputing from scratch, sampling is seeded, eos stops."""
+
+import pytest
+import torch
+
+from zaya.errors import ZayaError
+from zaya.infer.generate import Sampling, generate, next_token
+
+
+def _greedy_without_cache(model, prompt, steps):
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[:, prompt.shape[1]:]
+
+
+def test_greedy_generation_equals_full_recomputation(make_model):
+    model = make_model("micro")
+    prompt = torch.randint(0, 512, (3, 5), generator=torch.Generator().manual_seed(0))
+    assert generate(model, prompt, 12).tolist() == _greedy_without_cache(model, prompt, 12).tolist()
+
+
+def test_sampling_is_reproducible_with_a_seed_and_varies_without(make_model):
+    model = make_model("micro")
+    prompt = torch.tensor([[1, 2, 3]])
+    sampling = Sampling(greedy=False, temperature=1.5, seed=123)
+    first = generate(model, prompt, 20, sampling)
+    assert torch.equal(first, generate(model, prompt, 20, sampling))
+    assert not torch.equal(first, generate(model, prompt, 20, Sampling(greedy=False, temperature=1.5, seed=124)))
+
+
+def test_tiny_top_p_is_greedy(make_model):
+    model = make_model("micro")
+    prompt = torch.tensor([[7, 8]])
+    nucleus = Sampling(greedy=False, top_p=1e-6, seed=0)
+    assert torch.equal(generate(model, prompt, 10, nucleus), generate(model, prompt, 10))
+
+
+def test_top_p_samples_only_from_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    generator = torch.Generator().manual_seed(0)
+    seen = {int(next_token(logits, Sampling(greedy=False, top_p=0.75), generator)) for _ in range(300)}
+    assert seen == {0, 1}
+
+
+def test_generation_stops_once_every_row_produced_eos(make_model):
+    model = make_model("micro")
+    prompt = torch.tensor([[5, 6, 7]])
+    free = generate(model, prompt, 10)
+    eos = int(free[0, 3])
+    stopped = generate(model, prompt, 10, eos_token_id=eos)
+    assert stopped.shape[1] == int((free[0] == eos).nonzero()[0]) + 1
+    assert int(stopped[0, -1]) == eos
+
+
+def test_bad_prompts_are_refused(make_model):
+    model = make_model("micro")
+    with pytest.raises(ZayaError, match="outside the model's vocabulary"):
+        generate(model, torch.tensor([[1, 512]]), 3)
+    with pytest.raises(ZayaError, match="empty"):
+        generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
+    with pytest.raises(ZayaError, match="temperature"):
+        Sampling(greedy=False, temperature=0.0)

@@ -1,0 +1,130 @@
+"""The `zaya` command end to end: generate, convert, params, and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+import zaya
+from zaya.infer.generate import generate
+
+
+@pytest.fixture
+def hf_dir(make_model, tmp_path):
+    model = make_model("micro")
+    zaya.export_hf(model, tmp_path / "hf")
+    return tmp_path / "hf", model
+
+
+def _assert_one_line_error(code, err, *fragments):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zaya: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_generate_prints_ids_matching_the_api(cli, hf_dir):
+    path, model = hf_dir
+    code, out, _ = cli("generate", "--model", path, "--prompt-ids", "5,17,3", "--max-new-tokens", "9",
+                       "--output", "ids", "--no-stop-at-eos")
+    assert code == 0
+    expected = generate(model, torch.tensor([[5, 17, 3]]), 9)[0].tolist()
+    assert out.strip() == ",".join(map(str, expected))
+
+
+def test_generate_sampling_is_seeded(cli, hf_dir):
+    path, _ = hf_dir
+    args = ["generate", "--model", path, "--prompt-ids", "1,2", "--temperature", "1.3", "--top-p", "0.9",
+            "--seed", "4", "--output", "ids", "--max-new-tokens", "12", "--no-stop-at-eos"]
+    first, second = cli(*args), cli(*args)
+    assert first[0] == 0 and first[1] == second[1]
+    code, _, err = cli("generate", "--model", path, "--prompt-ids", "1", "--greedy", "--temperature", "2")
+    _assert_one_line_error(code, err, "--greedy")
+
+
+def test_generate_with_a_tokenizer_streams_text(cli, hf_dir):
+    path, _ = hf_dir
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"])
+    tokenizer.train_from_iterator(["def main():\n    return 0\n"] * 50, trainer)
+    tokenizer.save(str(path / "tokenizer.json"))
+    code, out, _ = cli("generate", "--model", path, "--prompt", "def main", "--max-new-tokens", "5")
+    assert code == 0 and out.startswith("def main")
+
+
+def test_generate_without_tokenizer_needs_prompt_ids(cli, hf_dir):
+    path, _ = hf_dir
+    _assert_one_line_error(*cli("generate", "--model", path, "--prompt", "hello")[::2], "tokenizer")
+
+
+def test_prompt_id_outside_the_vocabulary(cli, hf_dir):
+    path, _ = hf_dir
+    _assert_one_line_error(*cli("generate", "--model", path, "--prompt-ids", "3,512")[::2], "512", "vocabulary")
+    _assert_one_line_error(*cli("generate", "--model", path, "--prompt-ids", "3,x")[::2], "--prompt-ids")
+
+
+def test_convert_both_directions_and_params(cli, hf_dir, tmp_path):
+    path, _ = hf_dir
+    code, out, _ = cli("convert", path, tmp_path / "ckpt")
+    assert code == 0 and "hf->zaya" in out
+    code, out, _ = cli("convert", tmp_path / "ckpt", tmp_path / "back")
+    assert code == 0 and "zaya->hf" in out
+    a, b = load_file(path / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    code, out, _ = cli("params", tmp_path / "ckpt", "--json")
+    assert code == 0 and json.loads(out)["non_embedding"] == 402_598
+    code, out, _ = cli("params", "zaya1-base")
+    assert code == 0 and "8,303,355,728" in out
+    _assert_one_line_error(*cli("convert", path, tmp_path / "ckpt")[::2], "already exists")
+
+
+def _convert_error(cli, src, dst):
+    code, _, err = cli("convert", src, dst)
+    _assert_one_line_error(code, err)
+    assert not dst.exists() and not dst.with_name(dst.name + ".tmp").exists(), "nothing half-written"
+    return err
+
+
+def test_missing_and_malformed_config(cli, hf_dir, tmp_path):
+    path, _ = hf_dir
+    (path / "config.json").rename(path / "config.bak")
+    assert "config.json" in _convert_error(cli, path, tmp_path / "out")
+    (path / "config.json").write_text("{not json")
+    err = _convert_error(cli, path, tmp_path / "out")
+    assert "config.json" in err and "JSON" in err
+    config = json.loads((path / "config.bak").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "hidden_size": "wide"}))
+    err = _convert_error(cli, path, tmp_path / "out")
+    assert "config.json" in err and "hidden_size" in err
+    (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "num_hidden_layers"}))
+    assert "num_hidden_layers" in _convert_error(cli, path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("fault", ["missing", "extra", "misshaped"])
+def test_bad_safetensors(cli, hf_dir, tmp_path, fault):
+    path, _ = hf_dir
+    tensors = load_file(path / "model.safetensors")
+    key = "model.layers.1.self_attn.qkv_proj.q_proj.weight"
+    if fault == "missing":
+        del tensors[key]
+    elif fault == "extra":
+        tensors["model.layers.1.mystery.weight"] = torch.zeros(3)
+    else:
+        tensors[key] = torch.zeros(5, 5)
+    save_file(tensors, str(path / "model.safetensors"))
+    err = _convert_error(cli, path, tmp_path / "out")
+    assert "model.layers.1" in err
+    assert {"missing": "missing", "extra": "unexpected", "misshaped": "shape"}[fault] in err
+
+
+def test_the_console_script_exits_2_with_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "zaya.cli", "generate", "--model", str(tmp_path / "nope"),
+                             "--prompt-ids", "1"], capture_output=True, text=True, timeout=120)
+    _assert_one_line_error(result.returncode, result.stderr, "no such directory")
