@@ -69,7 +69,7 @@ def empty_model(config: ZayaConfig, device: torch.device, dtype: torch.dtype) ->
 
 
 def model_dir_kind(path: Path) -> str:
-    """'checkpoint' (ours) or 'hf' (config.json + safetensors), else a `ZayaError`."""
+    """'checkpoint' (ours), 'run' (a run or checkpoints directory) or 'hf' (config.json + safetensors)."""
     if not path.exists():
         raise ZayaError(f"{path}: no such directory")
     if not path.is_dir():
@@ -80,7 +80,18 @@ def model_dir_kind(path: Path) -> str:
         return "hf"
     if (path / checkpoint.CONFIG_FILE).exists():
         raise ZayaError(f"{path}: checkpoint has no {checkpoint.METADATA_FILE}")
-    raise ZayaError(f"{path}: neither a Hugging Face directory (config.json) nor a zaya checkpoint (zaya.json)")
+    if (path / "checkpoints").is_dir() or (path / checkpoint.LATEST_FILE).exists() or any(path.glob("step_*")):
+        return "run"
+    raise ZayaError(f"{path}: neither a Hugging Face directory (config.json) nor a zaya checkpoint or run")
+
+
+def resolve_model_dir(path: str | Path) -> tuple[Path, str]:
+    """(directory to load, 'checkpoint' or 'hf'): a run directory resolves to its newest valid checkpoint."""
+    path = Path(path)
+    kind = model_dir_kind(path)
+    if kind == "run":
+        return checkpoint.resolve_checkpoint(path), "checkpoint"
+    return path, kind
 
 
 def read_hf_config(path: Path, layout: LayoutChoice = "auto") -> tuple[ZayaConfig, str]:
@@ -103,9 +114,9 @@ def load_model(
 
     `dtype=None` keeps the dtype the weights were stored in. The model is returned in eval mode.
     """
-    path = Path(path)
+    path, kind = resolve_model_dir(path)
     device = resolve_device(device)
-    if model_dir_kind(path) == "checkpoint":
+    if kind == "checkpoint":
         config, info = checkpoint.read_checkpoint_config(path)
         stored = getattr(torch, str(info.get("dtype", "float32")), torch.float32)
         model = empty_model(config, torch.device("cpu"), stored)
@@ -132,7 +143,7 @@ def export_hf(model: Zaya, directory: str | Path, *, tokenizer: Path | None = No
         # Routers keep their balancing biases in fp32; the HF layout stores every tensor in the model's dtype.
         state = {name: tensor.to(dtype) for name, tensor in model.state_dict().items()}
         save_hf_state(tmp, state, model.config, layout="native")
-        checkpoint._write_json(tmp / "config.json", native_config_json(model.config, dtype))
+        checkpoint.write_json(tmp / "config.json", native_config_json(model.config, dtype))
         if tokenizer is not None and tokenizer.is_file():
             shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
         tmp.rename(directory)
@@ -146,8 +157,8 @@ def convert(src: str | Path, dst: str | Path, *, layout: LayoutChoice = "auto") 
 
     Returns "hf->zaya" or "zaya->hf".
     """
-    src, dst = Path(src), Path(dst)
-    kind = model_dir_kind(src)
+    src, kind = resolve_model_dir(src)
+    dst = Path(dst)
     if dst.exists():
         raise ZayaError(f"{dst}: already exists; refusing to overwrite")
     model = load_model(src, device="cpu", layout=layout)

@@ -43,14 +43,15 @@ def params(model: str, as_json: bool) -> None:
 
 
 def _config_of_dir(path: Path):
-    from zaya.api import model_dir_kind, read_hf_config
+    from zaya.api import read_hf_config, resolve_model_dir
     from zaya.train.checkpoint import read_checkpoint_config
 
     if not path.exists():
         from zaya.model.presets import PRESETS
 
         raise ZayaError(f"'{path}' is neither a preset ({', '.join(PRESETS)}) nor an existing directory")
-    if model_dir_kind(path) == "checkpoint":
+    path, kind = resolve_model_dir(path)
+    if kind == "checkpoint":
         return read_checkpoint_config(path)[0]
     return read_hf_config(path)[0]
 
@@ -88,7 +89,7 @@ def _parse_ids(text: str) -> list[int]:
 def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature, top_p, seed, output, tokenizer,
              device, dtype, stop_at_eos) -> None:
     """Continue a prompt with a model."""
-    from zaya.api import load_model
+    from zaya.api import load_model, resolve_model_dir
     from zaya.infer.generate import Sampling, check_prompt
     from zaya.infer.generate import generate as run_generate
     from zaya.infer.tokenizer import find_tokenizer, load_tokenizer
@@ -103,6 +104,7 @@ def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature
         top_p=1.0 if top_p is None else top_p,
         seed=seed,
     )
+    model_path, _ = resolve_model_dir(model_path)  # a run directory means its newest valid checkpoint
     tokenizer_path = tokenizer or find_tokenizer(model_path)
     tok = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
     if prompt is not None and tok is None:
@@ -151,8 +153,77 @@ def convert(src: Path, dst: Path, layout: str) -> None:
     click.echo(f"{direction}: wrote {dst}")
 
 
+# ---- train / eval / report ----------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("config_path", metavar="CONFIG", type=click.Path(path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config key, e.g. --set optim.lr=3e-3 (repeatable).")
+@click.option("--run-dir", type=click.Path(path_type=Path), default=None,
+              help="Where the run writes everything (default: runs/<config name>). Resumes if it holds a checkpoint.")
+@click.option("--allow-data-change", is_flag=True, help="Resume even though the data fingerprint changed.")
+@click.option("--print-param-groups", is_flag=True, help="Print the optimizer's parameter split and exit.")
+def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, allow_data_change: bool,
+          print_param_groups: bool) -> None:
+    """Train (or resume training) a model from a TOML run config."""
+    from zaya.config import load_config
+
+    config = load_config(config_path, list(overrides))
+    if print_param_groups:
+        from zaya.model.transformer import Zaya
+        from zaya.optim import describe_param_groups
+
+        with torch.device("meta"):
+            model = Zaya(config.model_config())
+        click.echo(describe_param_groups(model, config.optim))
+        return
+    from zaya.train.trainer import Trainer
+
+    run_dir = run_dir or Path("runs") / config_path.stem
+    last = Trainer(config, run_dir, allow_data_change=allow_data_change).run()
+    summary = {k: last[k] for k in ("step", "loss", "eval_loss", "tokens") if k in last}
+    click.echo(f"done: {json.dumps(summary)}; run directory {run_dir}")
+
+
+@cli.command(name="eval")
+@click.option("--model", "model_path", required=True, type=click.Path(path_type=Path),
+              help="An HF directory, a zaya checkpoint or a run directory.")
+@click.option("--data", "data_path", required=True, type=click.Path(path_type=Path), help="A dataset directory.")
+@click.option("--split", default="val", show_default=True, type=click.Choice(["val", "train"]))
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-batches", default=None, type=click.IntRange(min=1), help="Default: the whole split.")
+@click.option("--device", default=None)
+def evaluate(model_path: Path, data_path: Path, split: str, seq_len: int, batch_size: int, max_batches: int | None,
+             device: str | None) -> None:
+    """Held-out loss and perplexity of a model on a dataset split, as JSON."""
+    from zaya.train.evaluate import evaluate_model
+
+    click.echo(json.dumps(evaluate_model(model_path, data_path, split=split, seq_len=seq_len,
+                                         batch_size=batch_size, max_batches=max_batches, device=device), indent=2))
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+def report(run_dir: Path) -> None:
+    """Plots of a run's metrics and an index.html, written to RUN_DIR/report."""
+    from zaya.report.report import make_report
+
+    click.echo(f"wrote {make_report(run_dir)}")
+
+
+def _mount_subsystem_groups() -> None:
+    # Subsystems own their command groups; they join the top-level command here.
+    from zaya.data.cli import data as data_group
+
+    if "data" not in cli.commands:
+        cli.add_command(data_group)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zaya` console script."""
+    _mount_subsystem_groups()
     try:
         cli.main(args=argv, prog_name="zaya", standalone_mode=False)
     except ZayaError as exc:

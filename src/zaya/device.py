@@ -33,6 +33,12 @@ def vendor(device: torch.device) -> str:
     return "amd" if torch.version.hip else "nvidia"
 
 
+def grouped_mm_pays_for_empty_groups(device: torch.device) -> bool:
+    """True where `torch._grouped_mm` runs one GEMM per group, empty groups included (the CPU kernel does):
+    there, a few tokens over many experts are cheaper through gathered expert weights."""
+    return device.type == "cpu"
+
+
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype autocast is running in on `device`, or None when autocast is off."""
     if torch.is_autocast_enabled(device.type):

@@ -28,15 +28,16 @@ def _reference(experts, x, expert, weight):
 
 
 @pytest.mark.parametrize("grouped", [True, False] if HAS_GROUPED_MM else [False])
-@pytest.mark.parametrize("pattern", ["random", "one_expert", "some_empty"])
+@pytest.mark.parametrize("pattern", ["random", "one_expert", "some_empty", "few_tokens"])
 def test_dispatch_matches_per_expert_reference(grouped, pattern):
     experts = _experts()
     experts.use_grouped_mm = grouped
-    N = 37
+    N = 3 if pattern == "few_tokens" else 37  # fewer tokens than experts: the gathered (decoding) path on CPU
     expert = {
         "random": torch.randint(0, 4, (N,)),
         "one_expert": torch.full((N,), 2),
         "some_empty": torch.randint(0, 2, (N,)) * 3,
+        "few_tokens": torch.tensor([3, 0, 3]),
     }[pattern]
     x = torch.randn(N, 128, requires_grad=True)
     weight = torch.rand(N, requires_grad=True)

@@ -14,7 +14,7 @@ def test_save_and_load_round_trip(make_model, tmp_path):
     model = make_model("micro")
     checkpoint.save_model_checkpoint(tmp_path / "ckpt", model, model.config)
     assert not (tmp_path / "ckpt.tmp").exists()
-    checkpoint.verify_manifest(tmp_path / "ckpt")
+    checkpoint.verify_checkpoint(tmp_path / "ckpt")
     loaded = zaya.load_model(tmp_path / "ckpt", device="cpu")
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
@@ -30,10 +30,10 @@ def test_manifest_detects_a_flipped_bit_and_a_truncated_shard(make_model, tmp_pa
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     with pytest.raises(ZayaError, match="checksum"):
-        checkpoint.verify_manifest(tmp_path / "ckpt")
+        checkpoint.verify_checkpoint(tmp_path / "ckpt")
     shard.write_bytes(bytes(data[:-10]))
     with pytest.raises(ZayaError, match="size"):
-        checkpoint.verify_manifest(tmp_path / "ckpt")
+        checkpoint.verify_checkpoint(tmp_path / "ckpt")
 
 
 class _Payload:

@@ -7,7 +7,8 @@ Per token t (x_t is the RMSNorm'd stream, j = h // g the KV head of query head h
     3. p_t = [q~_t | k~_t], left-padded with zeros; two causal convolutions over time:
          y_t = sum_i w0[i] * p_{t-k0+1+i} + b0                (depthwise)
          z_t = sum_j A_j y_{t-k1+1+j} + b1                    (per head: A_j block-diagonal, one block per head)
-       the intermediate y is not re-padded, so for ZAYA1's kernels y_{-1} = b0, not 0.
+       the intermediate y is not re-padded, so for ZAYA1's kernels y_{-1} = b0, not 0. Both are linear, so
+       they compose into one causal convolution of kernel k0 + k1 - 1 per head (see `conv_kernel`).
     4. q_t = z^q_t + mu^q_t,  k_t = z^k_t + mu^k_t
     5. value shift: v_t = [W_vcur x_t | W_vdel x_{t-1}] (x_{-1} = 0): the first half of the KV heads read the
        current token, the second half the previous one.
@@ -110,26 +111,48 @@ class CompressedConvAttention(nn.Module):
         self.conv1_bias = nn.Parameter(torch.zeros(C))
         self.temp = nn.Parameter(torch.full((self.num_kv_heads,), float(config.temp_init)))
         self.o_proj = nn.Linear(Q, D, bias=False)
+        self._memo: dict[str, tuple[tuple, torch.Tensor]] = {}
 
-    # ---- step 3: the two causal convolutions --------------------------------------------------------
+    # ---- derived weights ----------------------------------------------------------------------------
 
-    def _depthwise(self, p_ext: torch.Tensor, out_len: int) -> torch.Tensor:
-        """y_t = sum_i w0[i] p_{t+i} + b0 over the padded sequence p_ext [B, out_len + k0 - 1, C]."""
-        w0 = self.conv0_weight[:, 0, :].to(p_ext.dtype)
-        y = self.conv0_bias.to(p_ext.dtype) + w0[:, 0] * p_ext[:, :out_len]
-        for i in range(1, self.kernel0):
-            y = y + w0[:, i] * p_ext[:, i : i + out_len]
-        return y
+    def _remember(self, name: str, sources: tuple[torch.Tensor, ...], build) -> torch.Tensor:
+        """`build()`, reused across calls while no source tensor changed and no gradient is wanted (decoding)."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in sources):
+            return build()
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
+        cached = self._memo.get(name)
+        if cached is None or cached[0] != key:
+            cached = (key, build())
+            self._memo[name] = cached
+        return cached[1]
 
-    def _grouped(self, y: torch.Tensor, out_len: int) -> torch.Tensor:
-        """z_t = sum_j A_j y_{t+j} + b1 where each A_j is block-diagonal with one d x d block per head."""
-        B, _, C = y.shape
-        G, d = C // self.head_dim, self.head_dim
-        # Windows of k1 consecutive y's per head: [B, T, G, d * k1], ordered (channel, tap) like the weight.
-        windows = y.unfold(1, self.kernel1, 1).reshape(B, out_len, G, d * self.kernel1)
-        weight = self.conv1_weight.to(y.dtype).reshape(G, d, d * self.kernel1)
-        z = torch.einsum("btgi,goi->btgo", windows, weight).reshape(B, out_len, C).to(y.dtype)
-        return z + self.conv1_bias.to(y.dtype)
+    def input_weight(self) -> torch.Tensor:
+        """[W_q; W_k; W_vcur; W_vdel]: all four input projections as one matmul."""
+        weights = (self.q_proj.weight, self.k_proj.weight, self.v_cur_proj.weight, self.v_del_proj.weight)
+        return self._remember("input", weights, lambda: torch.cat(weights))
+
+    def conv_kernel(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two convolutions of step 3 composed into one causal convolution of kernel P + 1 per head:
+
+            z_t = sum_{m=0..P} M_m p_{t-P+m} + c,   M_m = sum_{i+j=m} A_j diag(w0_i),   c = sum_j A_j b0 + b1
+
+        Exact, the subtlety included: y is only ever computed from the zero-padded p, so y_{-1} = b0.
+        Returns M as [G, d, d * (P + 1)] (input channel major, tap minor) and c as [C].
+        """
+        sources = (self.conv0_weight, self.conv0_bias, self.conv1_weight, self.conv1_bias)
+        return self._remember("conv", sources, self._compose_conv)
+
+    def _compose_conv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        G, d = self.num_q_heads + self.num_kv_heads, self.head_dim
+        A = self.conv1_weight.view(G, d, d, self.kernel1)  # A[g, out, in, j]
+        w0 = self.conv0_weight.view(G, 1, d, self.kernel0)  # w0[g, -, in, i]
+        taps = [
+            sum(A[..., j] * w0[..., m - j] for j in range(self.kernel1) if 0 <= m - j < self.kernel0)
+            for m in range(self.padding + 1)
+        ]
+        M = torch.stack(taps, dim=-1).reshape(G, d, d * (self.padding + 1))
+        c = torch.einsum("goij,gi->go", A, self.conv0_bias.view(G, d)).reshape(-1) + self.conv1_bias
+        return M, c
 
     # ---- forward ------------------------------------------------------------------------------------
 
@@ -141,35 +164,33 @@ class CompressedConvAttention(nn.Module):
         cache: AttentionCache | None = None,
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        Hq, Hk, d, g = self.num_q_heads, self.num_kv_heads, self.head_dim, self.group_size
+        Hq, Hk, d, g, P = self.num_q_heads, self.num_kv_heads, self.head_dim, self.group_size, self.padding
         Q, K = Hq * d, Hk * d
         # Elementwise math runs in the parameters' dtype (fp32 masters under autocast, bf16 for a bf16 model);
         # only the matmuls drop to the autocast dtype.
         dtype = self.temp.dtype
 
-        # 1. compressed projections, and both value projections, as one matmul over the stacked weights
-        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_cur_proj.weight, self.v_del_proj.weight])
-        p, v_cur, v_del_now = F.linear(x_BTD, weight).to(dtype).split([Q + K, K // 2, K // 2], dim=-1)
-        q_lat, k_lat = p[..., :Q], p[..., Q:]  # p_t = [q~_t | k~_t], the packed vector the convolutions mix
+        # 1. compressed projections (and both value projections) as one matmul
+        p, v_cur, v_del_now = F.linear(x_BTD, self.input_weight()).to(dtype).split([Q + K, K // 2, K // 2], dim=-1)
 
-        # 2. q-k mean sharing (pre-convolution residuals)
-        mu_q = (q_lat.reshape(B, T, Hk, g, d) + k_lat.reshape(B, T, Hk, 1, d)) * 0.5
-        mu_k = mu_q.mean(dim=3)
+        # 2. q-k mean sharing (pre-convolution residuals), for the query heads and then the key heads
+        mu_q = (p[..., :Q].reshape(B, T, Hk, g, d) + p[..., Q:].reshape(B, T, Hk, 1, d)) * 0.5
+        mu = torch.cat([mu_q.reshape(B, T, Hq, d), mu_q.mean(dim=3)], dim=2)
 
-        # 3. packed causal convolutions; the state is the last P pre-convolution vectors (zeros at the start)
+        # 3. the causal convolutions over p_t = [q~_t | k~_t]; their state is the last P vectors of p
         if cache is not None and cache.conv_state is not None:
             past = cache.conv_state.to(dtype)
         else:
-            past = p.new_zeros(B, self.padding, Q + K)
+            past = p.new_zeros(B, P, Q + K)
         p_ext = torch.cat([past, p], dim=1)
         if cache is not None:
-            cache.conv_state = p_ext[:, p_ext.shape[1] - self.padding :].detach()
-        y = self._depthwise(p_ext, T + self.kernel1 - 1)
-        z = self._grouped(y, T)
+            cache.conv_state = p_ext[:, T:].detach()
+        M, c = self.conv_kernel()
+        windows = p_ext.unfold(1, P + 1, 1).reshape(B, T, Hq + Hk, d * (P + 1))
+        z = torch.einsum("btgx,gox->btgo", windows, M.to(dtype)).to(dtype) + c.to(dtype).view(Hq + Hk, d)
 
-        # 4. add the mean-shared residuals back
-        q = z[..., :Q].reshape(B, T, Hq, d) + mu_q.reshape(B, T, Hq, d)
-        k = z[..., Q:].reshape(B, T, Hk, d) + mu_k
+        # 4. add the mean-shared residuals back: q and k heads side by side, [B, T, Hq + Hk, d]
+        qk = z + mu
 
         # 5. value shift: KV heads 0..Hk/2-1 read the current token, the rest the previous one
         if cache is not None and cache.value_state is not None:
@@ -178,19 +199,16 @@ class CompressedConvAttention(nn.Module):
             v_prev = v_del_now.new_zeros(B, 1, K // 2)
         if cache is not None:
             cache.value_state = v_del_now[:, -1:].detach()
-        v_del = torch.cat([v_prev, v_del_now[:, :-1]], dim=1)
-        v = torch.cat([v_cur, v_del], dim=-1).view(B, T, Hk, d)
+        v = torch.cat([v_cur, torch.cat([v_prev, v_del_now[:, :-1]], dim=1)], dim=-1).view(B, T, Hk, d)
 
-        # 6. L2 normalisation to length sqrt(d), with the learned key temperature
-        eps = torch.finfo(q.dtype).eps
-        scale = math.sqrt(d)
-        q = q * (scale / q.norm(p=2, dim=-1, keepdim=True).clamp_min(eps))
-        k = k * (scale / k.norm(p=2, dim=-1, keepdim=True).clamp_min(eps))
-        k = k * self.temp.to(k.dtype)[None, None, :, None]
+        # 6. L2 normalisation to length sqrt(d), then the key temperature (queries: 1)
+        eps = torch.finfo(qk.dtype).eps
+        qk = qk * (math.sqrt(d) / qk.norm(p=2, dim=-1, keepdim=True).clamp_min(eps))
+        qk = qk * torch.cat([self.temp.new_ones(Hq), self.temp]).to(dtype)[:, None]
 
         # 7. partial RoPE at absolute positions
-        q = apply_rotary(q, cos, sin).transpose(1, 2)
-        k = apply_rotary(k, cos, sin).transpose(1, 2)
+        qk = apply_rotary(qk, cos, sin).transpose(1, 2)
+        q, k = qk[:, :Hq], qk[:, Hq:]
         v = v.transpose(1, 2)
 
         # 8. grouped-query causal attention over the cache
@@ -198,8 +216,8 @@ class CompressedConvAttention(nn.Module):
         if cache is not None:
             past_len = cache.length
             k, v = cache.append(k, v)
-        out = _causal_attention(q, k.to(q.dtype), v.to(q.dtype), past_len)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, Hq * d))
+        out = _causal_attention(q, k, v, past_len)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, Q))
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int) -> torch.Tensor:

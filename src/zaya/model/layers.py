@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -17,8 +18,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Round the input to the weight dtype first, then normalise in fp32: the public checkpoints' numerics.
         dtype = self.weight.dtype
-        x32 = x.to(dtype).float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = F.rms_norm(x.to(dtype).float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(dtype)
 
 

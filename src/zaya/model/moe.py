@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zaya.device import autocast_dtype
+from zaya.device import autocast_dtype, grouped_mm_pays_for_empty_groups
 from zaya.model.config import ZayaConfig
 from zaya.model.router import Routing, ZayaRouter
 
@@ -35,6 +35,8 @@ class Experts(nn.Module):
 
     def forward(self, x_ND: torch.Tensor, expert_N: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
         """sum over tokens of weight * Expert_{expert}(x); `expert` must lie in 0..E-1."""
+        if x_ND.shape[0] < self.num_experts and grouped_mm_pays_for_empty_groups(x_ND.device):
+            return self._gathered(x_ND, expert_N, weight_N)
         order = torch.argsort(expert_N, stable=True)
         counts = torch.bincount(expert_N, minlength=self.num_experts)
         # cast before permuting: under autocast the experts run in bf16, and half the bytes move
@@ -45,6 +47,17 @@ class Experts(nn.Module):
         y_sorted = matmul(F.silu(gate) * up, self.down_proj, counts)
         y_sorted = y_sorted * weight_N[order, None].to(y_sorted.dtype)
         return _permute_rows(y_sorted, torch.argsort(order))
+
+
+    def _gathered(self, x_ND: torch.Tensor, expert_N: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
+        """Few tokens (decoding): each token's expert weights gathered, one batched matmul per projection."""
+        x = x_ND[:, :, None]
+        gate_up = self.gate_up_proj.index_select(0, expert_N)
+        x, gate_up = _autocast_operands(x, gate_up)
+        gate, up = torch.bmm(gate_up, x).chunk(2, dim=1)
+        down = self.down_proj.index_select(0, expert_N).to(x.dtype)
+        y = torch.bmm(down, F.silu(gate) * up).squeeze(-1)
+        return y * weight_N[:, None].to(y.dtype)
 
 
 class ZayaMoE(nn.Module):

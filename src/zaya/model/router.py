@@ -64,7 +64,7 @@ class ZayaRouter(nn.Module):
                 r = c + prev_state * self.router_states_scale.float()
             else:
                 r = c
-            h = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + self.norm.eps) * self.norm.weight.float()
+            h = F.rms_norm(r, self.norm.weight.shape, self.norm.weight.float(), self.norm.eps)
             h = F.gelu(_linear32(h, self.fc1))
             h = F.gelu(_linear32(h, self.fc2))
             logits = _linear32(h, self.out_proj)

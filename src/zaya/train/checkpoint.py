@@ -1,33 +1,49 @@
-"""The project's checkpoint format: a directory holding a `torch.distributed.checkpoint` (DCP) of the state,
-the model config as JSON, and a manifest of every file's size and SHA-256.
+"""The project's checkpoint format and its commit protocol (system design section 6).
 
-    step_000100/
-        .metadata, __0_0.distcp, ...   DCP: every rank writes its own shards
-        zaya.json                      {"format": "zaya-checkpoint", "version": 1, "model": {...}, "dtype": ...}
-        manifest.json                  {"files": {name: {"bytes": n, "sha256": hex}}}
+A checkpoint is a directory:
+
+    step_00000100/
+        .metadata, __R_*.distcp      torch.distributed.checkpoint: every rank writes its own shards
+        zaya.json                    format, version, model config, dtype, world size
+        train_state.json             step, phase, consumed samples, data fingerprints, loader and optimizer
+                                     settings: every non-tensor piece of state, as JSON
+        rng.rankR.json               each rank's random-number-generator states
+        manifest.rankR.json          each rank's files with their sizes and SHA-256
+        tokenizer.json               optional, so that the checkpoint can generate text on its own
+
+Commit protocol: everything is written into a fresh `step_N.tmp/`; each rank records its manifest; after a
+barrier on a separate gloo control group, rank 0 fsyncs, renames the directory to `step_N/`, atomically
+replaces the `latest` pointer and only then deletes the checkpoints beyond the newest `keep`. Loading picks
+the newest checkpoint whose manifests validate; a bad one is renamed `*.bad`, never deleted.
 
 Loading never executes code from a checkpoint: DCP's `.metadata` is a pickle, so it is read by an unpickler
-that admits only the checkpoint-metadata types, and entries DCP would unpickle (non-tensor "bytes" items)
-are refused; tensors themselves load with `weights_only=True`.
+that admits only the checkpoint-metadata types, entries that DCP would unpickle (non-tensor "bytes" items)
+are refused, and tensors load with `weights_only=True`. Non-tensor state is JSON.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
 import os
 import pickle
+import random
+import re
 import shutil
+import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
@@ -35,8 +51,10 @@ from zaya.model.config import ZayaConfig
 FORMAT = "zaya-checkpoint"
 VERSION = 1
 CONFIG_FILE = "zaya.json"
-MANIFEST_FILE = "manifest.json"
+TRAIN_STATE_FILE = "train_state.json"
 METADATA_FILE = ".metadata"
+LATEST_FILE = "latest"
+STEP_DIR = re.compile(r"step_(\d+)")
 
 
 # ---- a .metadata reader that cannot run code ----------------------------------------------------------
@@ -70,7 +88,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_metadata(directory: Path) -> Metadata:
     """DCP metadata of `directory`, unpickled with only the checkpoint-metadata types admitted."""
-    path = directory / METADATA_FILE
+    path = Path(directory) / METADATA_FILE
     try:
         metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
     except FileNotFoundError:
@@ -90,12 +108,12 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(Path(self.path))
-        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-# ---- manifest -----------------------------------------------------------------------------------------
+# ---- manifests ----------------------------------------------------------------------------------------
 
 
 def file_digest(path: Path) -> str:
@@ -106,42 +124,148 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(directory: Path) -> None:
-    """Record size and SHA-256 of every file of `directory` (except the manifest) and fsync it."""
+def manifest_name(rank: int) -> str:
+    return f"manifest.rank{rank}.json"
+
+
+def write_manifest(directory: Path, rank: int, names: Iterable[str]) -> None:
+    """Record the size and SHA-256 of the files `names` (this rank's) in `manifest.rankR.json`, fsynced."""
     files = {}
-    for path in sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST_FILE):
-        files[path.name] = {"bytes": path.stat().st_size, "sha256": file_digest(path)}
-    _write_json(directory / MANIFEST_FILE, {"files": files})
-
-
-def verify_manifest(directory: Path) -> None:
-    """Raise `ZayaError` naming the first file that is missing, truncated or altered."""
-    manifest_path = directory / MANIFEST_FILE
-    manifest = _read_json(manifest_path)
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        raise ZayaError(f"{manifest_path}: missing field 'files'")
-    for name, entry in files.items():
+    for name in sorted(names):
         path = directory / name
-        if not path.is_file():
-            raise ZayaError(f"{path}: listed in the manifest but missing")
-        if path.stat().st_size != entry.get("bytes"):
-            raise ZayaError(f"{path}: size {path.stat().st_size} bytes, the manifest says {entry.get('bytes')}")
-        if file_digest(path) != entry.get("sha256"):
-            raise ZayaError(f"{path}: checksum does not match the manifest")
+        files[name] = {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+    write_json(directory / manifest_name(rank), {"rank": rank, "files": files})
 
 
-# ---- model checkpoints --------------------------------------------------------------------------------
+def verify_checkpoint(directory: Path) -> None:
+    """Raise `ZayaError` naming the first manifest or file that is missing, truncated or altered."""
+    directory = Path(directory)
+    info = read_json(directory / CONFIG_FILE)
+    world_size = info.get("world_size", 1)
+    for rank in range(world_size):
+        manifest_path = directory / manifest_name(rank)
+        files = read_json(manifest_path).get("files")
+        if not isinstance(files, dict):
+            raise ZayaError(f"{manifest_path}: missing field 'files'")
+        for name, entry in files.items():
+            path = directory / name
+            if not path.is_file():
+                raise ZayaError(f"{path}: listed in {manifest_path.name} but missing")
+            if path.stat().st_size != entry.get("bytes"):
+                raise ZayaError(f"{path}: size {path.stat().st_size} bytes, the manifest says {entry.get('bytes')}")
+            if file_digest(path) != entry.get("sha256"):
+                raise ZayaError(f"{path}: checksum does not match {manifest_path.name}")
+
+
+def prewarm(directory: Path) -> None:
+    """Ask the kernel to read the checkpoint's files into the page cache ahead of the load (WILLNEED)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for path in Path(directory).iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+
+def drop_from_page_cache(directory: Path) -> None:
+    """The opposite of `prewarm` (DONTNEED), for measuring a cold restart."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for path in Path(directory).iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+# ---- tensors vs JSON ----------------------------------------------------------------------------------
+
+
+def split_tensors(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Separate a nested structure into a JSON skeleton and its tensors (replaced by {"tensor": key})."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors[path] = node
+            return {"tensor": path}
+        if isinstance(node, dict):
+            return {"dict": [[_json_key(k), walk(v, f"{path}.{k}")] for k, v in node.items()]}
+        if isinstance(node, (list, tuple)):
+            kind = "tuple" if isinstance(node, tuple) else "list"
+            return {kind: [walk(v, f"{path}.{i}") for i, v in enumerate(node)]}
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return {"value": node}
+        raise TypeError(f"cannot checkpoint a {type(node).__name__} at '{path}'")
+
+    return walk(obj, prefix), tensors
+
+
+def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of `split_tensors`."""
+    if "tensor" in skeleton:
+        return tensors[skeleton["tensor"]]
+    if "dict" in skeleton:
+        return {k: join_tensors(v, tensors) for k, v in skeleton["dict"]}
+    if "list" in skeleton:
+        return [join_tensors(v, tensors) for v in skeleton["list"]]
+    if "tuple" in skeleton:
+        return tuple(join_tensors(v, tensors) for v in skeleton["tuple"])
+    return skeleton["value"]
+
+
+def _json_key(key: Any) -> Any:
+    if isinstance(key, (str, int)) and not isinstance(key, bool):
+        return key
+    raise TypeError(f"cannot checkpoint a dict key of type {type(key).__name__}")
+
+
+# ---- random-number generators -------------------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    """The torch (CPU and accelerator) and Python RNG states of this process, as JSON."""
+    state = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "python": _python_random_state(random.getstate()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(
+            [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
+        )
+
+
+def _python_random_state(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+# ---- model-only checkpoints (`zaya convert`) ----------------------------------------------------------
 
 
 def is_checkpoint(directory: Path) -> bool:
-    return (directory / CONFIG_FILE).is_file() and (directory / METADATA_FILE).is_file()
+    return (Path(directory) / CONFIG_FILE).is_file() and (Path(directory) / METADATA_FILE).is_file()
 
 
 def read_checkpoint_config(directory: Path) -> tuple[ZayaConfig, dict]:
     """The model config and the whole `zaya.json` of a checkpoint directory."""
-    path = directory / CONFIG_FILE
-    info = _read_json(path)
+    path = Path(directory) / CONFIG_FILE
+    info = read_json(path)
     if info.get("format") != FORMAT:
         raise ZayaError(f"{path}: field 'format' must be '{FORMAT}'")
     if info.get("version") != VERSION:
@@ -149,12 +273,16 @@ def read_checkpoint_config(directory: Path) -> tuple[ZayaConfig, dict]:
     return ZayaConfig.from_dict(info.get("model"), source=f"{path}: model"), info
 
 
+def _checkpoint_info(config: ZayaConfig, model: torch.nn.Module, world_size: int) -> dict:
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return {"format": FORMAT, "version": VERSION, "model": config.to_dict(), "dtype": dtype, "world_size": world_size}
+
+
 def save_model_checkpoint(
     directory: Path, model: torch.nn.Module, config: ZayaConfig, extra_files: Iterable[Path] = ()
 ) -> None:
-    """Write the model's weights as a complete checkpoint into a fresh `directory`, atomically: everything
-    goes to `directory.tmp` first, which is renamed into place once its manifest is on disk. `extra_files`
-    (a tokenizer, say) are copied in and covered by the manifest."""
+    """Write the model's weights as a complete single-process checkpoint into a fresh `directory`, atomically
+    (via `directory.tmp`). `extra_files` (a tokenizer, say) are copied in and covered by the manifest."""
     directory = Path(directory)
     if directory.exists():
         raise ZayaError(f"{directory}: already exists; refusing to overwrite")
@@ -163,48 +291,261 @@ def save_model_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        state = {"model": {k: v.detach() for k, v in model.state_dict().items()}}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        info = {"format": FORMAT, "version": VERSION, "model": config.to_dict(), "dtype": dtype}
-        _write_json(tmp / CONFIG_FILE, info)
+        _dcp_save({"model": model.state_dict()}, tmp)
+        write_json(tmp / CONFIG_FILE, _checkpoint_info(config, model, world_size=1))
         for extra in extra_files:
             shutil.copyfile(extra, tmp / Path(extra).name)
-        write_manifest(tmp)
+        write_manifest(tmp, 0, [p.name for p in tmp.iterdir() if p.is_file()])
         os.replace(tmp, directory)
-        _fsync_dir(directory.parent)
+        fsync_dir(directory.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
 def load_model_weights(directory: Path, model: torch.nn.Module) -> None:
-    """Fill `model` (its state dict keys) from the checkpoint's "model" entries, in place."""
+    """Fill `model` in place from the checkpoint's "model" entries, checking names and shapes first."""
     state = {"model": model.state_dict()}
+    load_tensors(directory, state)
+    model.load_state_dict(state["model"])
+
+
+def load_tensors(directory: Path, state: dict) -> None:
+    """DCP-load the tensors of `state` (nested dicts of tensors, filled in place), checking names and shapes."""
+    directory = Path(directory)
     metadata = read_metadata(directory)
-    missing = [f"model.{k}" for k in state["model"] if f"model.{k}" not in metadata.state_dict_metadata]
+    flat = _flatten(state)
+    missing = [key for key in flat if key not in metadata.state_dict_metadata]
     if missing:
         raise ZayaError(f"{directory}: checkpoint lacks tensor '{missing[0]}' ({len(missing)} missing in all)")
-    for key, tensor in state["model"].items():
-        stored = metadata.state_dict_metadata[f"model.{key}"]
+    for key, tensor in flat.items():
+        stored = metadata.state_dict_metadata[key]
         if tuple(stored.size) != tuple(tensor.shape):
-            raise ZayaError(
-                f"{directory}: tensor 'model.{key}' has shape {list(stored.size)}, expected {list(tensor.shape)}"
-            )
+            raise ZayaError(f"{directory}: tensor '{key}' has shape {list(stored.size)}, expected {list(tensor.shape)}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state, storage_reader=SafeReader(str(directory)))
-    model.load_state_dict(state["model"])
+
+
+def _flatten(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    flat = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _dcp_save(state: dict, directory: Path, process_group=None) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True),
+                 process_group=process_group)
+
+
+# ---- training checkpoints -----------------------------------------------------------------------------
+
+
+class CheckpointManager:
+    """Saves and finds training checkpoints under `root` with the commit protocol of the module docstring.
+
+    In a multi-process job every rank calls `save` at the same step; the barrier before the commit runs on
+    `control_group`, a gloo group of its own, so that it never queues behind training collectives.
+    """
+
+    def __init__(self, root: Path, keep: int, rank: int = 0, world_size: int = 1, control_group=None):
+        self.root = Path(root)
+        self.keep = keep
+        self.rank = rank
+        self.world_size = world_size
+        self.control_group = control_group
+        self._pending: threading.Thread | None = None
+        self._pending_error: BaseException | None = None
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- saving
+
+    def save(
+        self,
+        step: int,
+        tensors: dict,
+        train_state: dict,
+        info: dict,
+        extra_files: Iterable[Path] = (),
+        async_save: bool = False,
+        on_written: Callable[[], None] | None = None,
+        on_commit: Callable[[Path], None] | None = None,
+    ) -> None:
+        """Write checkpoint `step`. With `async_save`, returns once the tensors are staged in memory; the
+        files are written and the checkpoint committed in the background (`latest` moves only then)."""
+        self.wait()  # one save in flight at a time
+        final = self.root / f"step_{step:08d}"
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self._barrier()
+
+        def finish(future: Future | None) -> None:
+            if future is not None:
+                future.result()
+            self._write_small_files(tmp, train_state, info, extra_files)
+            write_manifest(tmp, self.rank, self._own_files(tmp))
+            if on_written is not None:
+                on_written()
+            self._barrier()
+            if self.rank == 0:
+                self._commit(tmp, final)
+                if on_commit is not None:
+                    on_commit(final)
+            self._barrier()
+
+        if async_save:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                                        process_group=self.control_group)
+            self._pending = threading.Thread(target=self._run_pending, args=(finish, future), daemon=True)
+            self._pending.start()
+        else:
+            _dcp_save(tensors, tmp, self.control_group)
+            finish(None)
+
+    def _run_pending(self, finish: Callable[[Future | None], None], future: Future) -> None:
+        try:
+            finish(future)
+        except BaseException as exc:  # surfaced by wait() on the training thread
+            self._pending_error = exc
+
+    def wait(self) -> None:
+        """Block until an asynchronous save has been committed; re-raise its error, if any."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
+
+    def _write_small_files(self, tmp: Path, train_state: dict, info: dict, extra_files: Iterable[Path]) -> None:
+        write_json(tmp / f"rng.rank{self.rank}.json", rng_state())
+        if self.rank == 0:
+            write_json(tmp / TRAIN_STATE_FILE, train_state)
+            write_json(tmp / CONFIG_FILE, {**info, "world_size": self.world_size})
+            for extra in extra_files:
+                shutil.copyfile(extra, tmp / Path(extra).name)
+
+    def _own_files(self, tmp: Path) -> list[str]:
+        """This rank's files: its DCP shards and RNG state; rank 0 also owns the shared files."""
+        names = []
+        for path in tmp.iterdir():
+            if not path.is_file() or path.name.startswith("manifest."):
+                continue
+            shard = re.fullmatch(r"__(\d+)_\d+\.distcp", path.name)
+            rng = re.fullmatch(r"rng\.rank(\d+)\.json", path.name)
+            if shard:
+                owner = int(shard.group(1))
+            elif rng:
+                owner = int(rng.group(1))
+            else:
+                owner = 0
+            if owner == self.rank:
+                names.append(path.name)
+        return names
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        for path in tmp.iterdir():
+            if path.is_file():
+                with path.open("rb") as handle:
+                    os.fsync(handle.fileno())
+        fsync_dir(tmp)
+        if final.exists():  # a stale copy of this step from before a rollback: keep it aside, never delete
+            final.rename(_unused_name(final.with_name(final.name + ".old")))
+        os.replace(tmp, final)
+        fsync_dir(self.root)
+        pointer = self.root / (LATEST_FILE + ".tmp")
+        pointer.write_text(final.name + "\n", encoding="utf-8")
+        with pointer.open("rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(pointer, self.root / LATEST_FILE)
+        fsync_dir(self.root)
+        self._purge()
+
+    def _purge(self) -> None:
+        committed = self.committed()
+        for old in committed[: max(0, len(committed) - self.keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.control_group)
+
+    # -- finding and loading
+
+    def committed(self) -> list[Path]:
+        """Committed checkpoint directories, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name)]
+        return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+
+    def clean_uncommitted(self) -> None:
+        """Remove `*.tmp` directories: writes that never committed (rank 0 only)."""
+        if self.rank == 0 and self.root.is_dir():
+            for path in self.root.glob("step_*.tmp"):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def newest_valid(self, log: Callable[[str], None] = print) -> Path | None:
+        """The newest checkpoint that validates; invalid ones are renamed `*.bad` (by rank 0) and skipped."""
+        candidates = list(reversed(self.committed()))
+        pointer = self.root / LATEST_FILE
+        if pointer.is_file():
+            named = self.root / pointer.read_text(encoding="utf-8").strip()
+            if named in candidates:  # the pointer wins over directory order
+                candidates.remove(named)
+                candidates.insert(0, named)
+        for candidate in candidates:
+            try:
+                verify_checkpoint(candidate)
+                read_metadata(candidate)
+                return candidate
+            except ZayaError as exc:
+                log(f"checkpoint {candidate.name} is invalid ({exc}); renaming it to .bad and trying an older one")
+                if self.rank == 0:
+                    candidate.rename(_unused_name(candidate.with_name(candidate.name + ".bad")))
+        return None
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory itself, or the newest valid checkpoint of a run or checkpoints directory."""
+    path = Path(path)
+    if is_checkpoint(path):
+        return path
+    for root in (path / "checkpoints", path):
+        if (root / LATEST_FILE).is_file() or any(root.glob("step_*")):
+            found = CheckpointManager(root, keep=1 << 30).newest_valid(log=lambda _msg: None)
+            if found is not None:
+                return found
+            raise ZayaError(f"{path}: no valid checkpoint")
+    raise ZayaError(f"{path}: not a checkpoint, run or checkpoints directory")
+
+
+def _unused_name(path: Path) -> Path:
+    candidate, n = path, 1
+    while candidate.exists():
+        candidate = path.with_name(f"{path.name}{n}")
+        n += 1
+    return candidate
 
 
 # ---- small helpers ------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ZayaError(f"{path}: file not found") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -214,15 +555,16 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _write_json(path: Path, data: dict) -> None:
-    with path.open("w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
+def write_json(path: Path, data: dict) -> None:
+    """Write JSON and fsync it (callers rename or commit the directory afterwards)."""
+    with Path(path).open("w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=1, sort_keys=True)
         handle.write("\n")
         handle.flush()
         os.fsync(handle.fileno())
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

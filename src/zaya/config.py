@@ -1,0 +1,297 @@
+"""Typed run configuration: dataclasses loaded from TOML, with dotted `--set` overrides.
+
+    [model]      preset = "tiny", plus any model field to override (temp_init = 1.0, ...)
+    [data]       path = "data/stdlib", seq_len, the batch ramp
+    [train]      seed, max_steps, micro_batch_size, global_batch_size, precision, clipping, eval cadence
+    [optim]      Muon + AdamW hyperparameters (zaya.optim.OptimConfig)
+    [schedule]   the learning-rate schedule of the whole run
+    [balance]    the balancing-bias controller
+    [checkpoint] dir, every, keep, async_save
+    [logging]    log_every, tensorboard, progress
+    [[phases]]   optional: name, tokens, sources, seq_len, lr_scale, rope_theta
+
+Unknown keys and wrong types are errors that name the key and the file; nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from zaya.errors import ZayaError
+from zaya.model.config import ZayaConfig
+from zaya.model.presets import PRESETS, get_preset
+from zaya.optim import OptimConfig
+from zaya.optim.schedule import ScheduleConfig
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny"
+    # Any ZayaConfig field, replacing the preset's value (e.g. temp_init, fp32_logits, rope_theta).
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, source: str) -> ZayaConfig:
+        if self.preset not in PRESETS:
+            raise ZayaError(f"{source}: model.preset '{self.preset}' does not exist (known: {', '.join(PRESETS)})")
+        known = {f.name for f in dataclasses.fields(ZayaConfig)}
+        for key in self.overrides:
+            if key not in known:
+                raise ZayaError(f"{source}: unknown key 'model.{key}'")
+        try:
+            return get_preset(self.preset, **self.overrides)
+        except ZayaError as exc:
+            raise ZayaError(f"{source}: {exc}") from None
+
+
+@dataclass
+class Source:
+    """A dataset (a `zaya data build` output directory) and its weight in a mixture."""
+
+    path: str
+    weight: float = 1.0
+
+
+@dataclass
+class DataSection:
+    path: str = ""  # the default source; phases may name their own mixtures
+    seq_len: int = 512
+    # Batch-size ramp in sequences (Megatron's rule); ramp_samples = 0 means the full batch from the start.
+    ramp_start: int = 0
+    ramp_increment: int = 0
+    ramp_samples: int = 0
+
+
+@dataclass
+class TrainSection:
+    seed: int = 0
+    max_steps: int = 100
+    micro_batch_size: int = 8
+    global_batch_size: int = 8  # sequences per optimizer step once any ramp is over
+    precision: str = "bf16"  # "bf16" (autocast, fp32 master weights) or "fp32"
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    eval_every: int = 50  # steps between held-out evaluations; 0 disables
+    eval_batches: int = 8
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+
+
+@dataclass
+class BalanceSection:
+    """The balancing-bias controller (spec section 5.3): PID on the per-layer expert load error."""
+
+    kp: float = 0.0
+    ki: float = 1e-3
+    kd: float = 0.0
+    # "linear": the integral term adds ki * error (the PID form); "sign": adds ki * sign(error), which with
+    # kp = kd = 0 is DeepSeek-V3's loss-free balancing.
+    error: str = "linear"
+    enabled: bool = True
+
+
+@dataclass
+class CheckpointSection:
+    dir: str = ""  # default: RUN_DIR/checkpoints
+    every: int = 100
+    keep: int = 3
+    async_save: bool = False
+
+
+@dataclass
+class LoggingSection:
+    log_every: int = 1
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Phase:
+    """One stage of the curriculum; it ends once `tokens` tokens were trained in it (0: never)."""
+
+    name: str = "main"
+    tokens: int = 0
+    sources: list[Source] = field(default_factory=list)  # empty: [data.path]
+    seq_len: int = 0  # 0: data.seq_len
+    lr_scale: float = 1.0  # multiplies the schedule inside this phase
+    rope_theta: float = 0.0  # 0: keep the model's
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    balance: BalanceSection = field(default_factory=BalanceSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    phases: list[Phase] = field(default_factory=list)
+    source: str = "config"  # where it was read from, for messages
+
+    def model_config(self) -> ZayaConfig:
+        return self.model.build(self.source)
+
+    def resolved_phases(self) -> list[Phase]:
+        """The phases with defaults filled in (one unbounded phase on data.path if none are configured)."""
+        phases = self.phases or [Phase()]
+        resolved = []
+        for phase in phases:
+            sources = phase.sources or [Source(self.data.path)]
+            resolved.append(dataclasses.replace(phase, sources=sources, seq_len=phase.seq_len or self.data.seq_len))
+        return resolved
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data.pop("source")
+        return data
+
+
+# ---- loading ------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Read a TOML run config and apply `key.path=value` overrides (values parsed as TOML, else strings)."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ZayaError(f"{path}: file not found") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ZayaError(f"{path}: not valid TOML ({exc})") from None
+    for item in overrides:
+        _apply_override(raw, item, path)
+    schedule = raw.setdefault("schedule", {})
+    if isinstance(schedule, dict) and "total_steps" not in schedule:
+        # the schedule spans the run unless it says otherwise
+        max_steps = raw.get("train", {}).get("max_steps", TrainSection.max_steps)
+        if isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps > 0:
+            schedule["total_steps"] = max_steps
+    model = raw.get("model")
+    if isinstance(model, dict):
+        # every [model] key but `preset` overrides a model field
+        raw["model"] = {"preset": model.get("preset", "tiny"),
+                        "overrides": {k: v for k, v in model.items() if k != "preset"}}
+    config = _build(RunConfig, raw, str(path), "")
+    config.source = str(path)
+    _validate(config)
+    return config
+
+
+def _apply_override(raw: dict, item: str, path: Path) -> None:
+    if "=" not in item:
+        raise ZayaError(f"--set {item!r}: expected key.path=value")
+    key, text = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    parts = key.strip().split(".")
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ZayaError(f"--set {key}: no entry {part} in '{'.'.join(parts[:i])}' of {path}")
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
+            raise ZayaError(f"--set {key}: '{'.'.join(parts[: i + 1])}' is not a table")
+    if isinstance(node, list):
+        raise ZayaError(f"--set {key}: cannot replace a list entry")
+    node[parts[-1]] = value
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(data, dict):
+        raise ZayaError(f"{source}: '{where}' must be a table")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    for key in data:
+        if key not in fields:
+            raise ZayaError(f"{source}: unknown key '{prefix}{key}'")
+    values = {key: _convert(hints[key], value, source, f"{prefix}{key}") for key, value in data.items()}
+    try:
+        return cls(**values)
+    except ZayaError as exc:
+        raise ZayaError(f"{source}: [{where}] {exc}") from None
+
+
+def _convert(hint: Any, value: Any, source: str, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, source, key + ".")
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ZayaError(f"{source}: key '{key}' must be a list")
+        return [_convert(item, v, source, f"{key}.{i}") for i, v in enumerate(value)]
+    if origin is tuple:
+        items = typing.get_args(hint)
+        if not isinstance(value, list) or len(value) != len(items):
+            raise ZayaError(f"{source}: key '{key}' must be a list of {len(items)} values")
+        return tuple(_convert(t, v, source, f"{key}.{i}") for i, (t, v) in enumerate(zip(items, value, strict=True)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ZayaError(f"{source}: key '{key}' must be a table")
+        return dict(value)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        return None if value is None else _convert(options[0], value, source, key)
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in _TYPE_NAMES:
+        if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+            raise ZayaError(f"{source}: key '{key}' must be {_TYPE_NAMES[hint]}, got {value!r}")
+        return value
+    raise ZayaError(f"{source}: key '{key}' has an unsupported value {value!r}")
+
+
+def _positive(config: RunConfig, key: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ZayaError(f"{config.source}: key '{key}' must be {'>= 0' if allow_zero else 'positive'}, got {value}")
+
+
+def _validate(config: RunConfig) -> None:
+    config.model_config()  # the preset exists and the overrides make a valid model
+    train = config.train
+    for key in ("max_steps", "micro_batch_size", "global_batch_size", "eval_batches"):
+        _positive(config, f"train.{key}", getattr(train, key))
+    _positive(config, "train.eval_every", train.eval_every, allow_zero=True)
+    _positive(config, "train.grad_clip", train.grad_clip, allow_zero=True)
+    if train.precision not in ("bf16", "fp32"):
+        raise ZayaError(f"{config.source}: key 'train.precision' must be 'bf16' or 'fp32', got {train.precision!r}")
+    if train.global_batch_size % train.micro_batch_size:
+        raise ZayaError(f"{config.source}: train.global_batch_size ({train.global_batch_size}) is not a multiple of "
+                        f"train.micro_batch_size ({train.micro_batch_size})")
+    _positive(config, "data.seq_len", config.data.seq_len)
+    _positive(config, "checkpoint.every", config.checkpoint.every)
+    _positive(config, "checkpoint.keep", config.checkpoint.keep)
+    _positive(config, "logging.log_every", config.logging.log_every)
+    if config.balance.error not in ("linear", "sign"):
+        raise ZayaError(f"{config.source}: key 'balance.error' must be 'linear' or 'sign'")
+    if not config.data.path and any(not p.sources for p in config.phases or [Phase()]):
+        raise ZayaError(f"{config.source}: key 'data.path' is required (or give every phase its sources)")
+    names = [p.name for p in config.phases]
+    if len(set(names)) != len(names):
+        raise ZayaError(f"{config.source}: phase names must be unique, got {names}")
+    for i, phase in enumerate(config.phases):
+        _positive(config, f"phases.{i}.tokens", phase.tokens, allow_zero=True)
+        _positive(config, f"phases.{i}.seq_len", phase.seq_len, allow_zero=True)
+        _positive(config, f"phases.{i}.lr_scale", phase.lr_scale)
+        _positive(config, f"phases.{i}.rope_theta", phase.rope_theta, allow_zero=True)
+        for j, source in enumerate(phase.sources):
+            _positive(config, f"phases.{i}.sources.{j}.weight", source.weight)
+        if phase.tokens == 0 and i != len(config.phases) - 1:
+            raise ZayaError(f"{config.source}: phase '{phase.name}' needs a token budget (only the last may be open)")

@@ -1,0 +1,37 @@
+"""`zaya eval`: held-out loss and perplexity of a model on a dataset split."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from zaya.api import load_model
+from zaya.data.loader import TokenLoader
+from zaya.errors import ZayaError
+
+
+@torch.no_grad()
+def evaluate_model(model_path: str | Path, data_path: str | Path, *, split: str = "val", seq_len: int = 512,
+                   batch_size: int = 8, max_batches: int | None = None, device: str | None = None) -> dict:
+    """Mean next-token cross-entropy over fixed windows of `seq_len + 1` tokens of the split."""
+    model = load_model(model_path, device=device)
+    loader = TokenLoader([(data_path, 1.0)], seq_len, seed=0, split=split, prefetch=0)
+    try:
+        loader.check_vocab(model.config.vocab_size)
+        device = model.embed.weight.device
+        total, tokens, batches = 0.0, 0, 0
+        for batch in loader.iter_eval_batches(batch_size, split=split, max_batches=max_batches):
+            batch = batch.to(device)
+            n = batch.shape[0] * seq_len
+            total += float(model.loss(batch[:, :-1], batch[:, 1:])) * n
+            tokens += n
+            batches += 1
+    finally:
+        loader.close()
+    if tokens == 0:
+        raise ZayaError(f"{data_path}: no evaluation batches")
+    loss = total / tokens
+    return {"model": str(model_path), "data": str(data_path), "split": split, "seq_len": seq_len,
+            "batches": batches, "tokens": tokens, "loss": loss, "perplexity": math.exp(min(loss, 700.0))}

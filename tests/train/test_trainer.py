@@ -1,0 +1,199 @@
+"""`zaya train`: exact resume after SIGKILL, crash-safe checkpoints, phases, the ramp, bad input."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build_code_dataset, write_config
+from zaya.config import load_config
+from zaya.train import checkpoint as ckpt
+from zaya.train.metrics import read_metrics
+from zaya.train.trainer import Trainer
+
+
+def _train(config: Path, run_dir: Path, *args: str, env: dict | None = None, timeout: float = 300):
+    return subprocess.run([sys.executable, "-m", "zaya.cli", "train", str(config), "--run-dir", str(run_dir), *args],
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def _final_tensors(run_dir: Path) -> dict:
+    final = ckpt.resolve_checkpoint(run_dir)
+    metadata = ckpt.read_metadata(final)
+    tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in
+               metadata.state_dict_metadata.items()}
+    nested: dict = {}
+    for key, tensor in tensors.items():
+        top, rest = key.split(".", 1)
+        nested.setdefault(top, {})[rest] = tensor
+    ckpt.load_tensors(final, nested)
+    return {f"{top}.{k}": v for top, d in nested.items() for k, v in d.items()}
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float, float | None]]:
+    return [(r["step"], r["loss"], r.get("eval_loss")) for r in read_metrics(run_dir)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_sigkill_at_a_random_step_then_resume_is_bitwise_identical(dataset, tmp_path, precision):
+    config = write_config(tmp_path / "run.toml", dataset, train={"precision": precision})
+    Trainer(load_config(config), tmp_path / "straight").run()
+
+    kill_at = random.Random(precision).randint(4, 8)  # after the checkpoint of step 3 or 6
+    crashed = _train(config, tmp_path / "resumed", env={"ZAYA_FAULTS": f"sigkill@step:{kill_at}"})
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    assert max(r["step"] for r in read_metrics(tmp_path / "resumed")) == kill_at
+    resumed = _train(config, tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in (tmp_path / "resumed" / "train.log").read_text()
+
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+    a, b = _final_tensors(tmp_path / "straight"), _final_tensors(tmp_path / "resumed")
+    assert set(a) == set(b) and any(k.startswith("optim.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 8})
+    crashed = _train(config, tmp_path / "run", env={"ZAYA_FAULTS": "sigkill@checkpoint-written:6"})
+    assert crashed.returncode == -signal.SIGKILL
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000003"
+    assert (root / "step_00000006.tmp").is_dir() and not (root / "step_00000006").exists()
+    assert ckpt.resolve_checkpoint(tmp_path / "run").name == "step_00000003"
+    resumed = _train(config, tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr
+    assert not (root / "step_00000006.tmp").exists()
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000006", "step_00000008"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_shard_is_detected_and_the_previous_checkpoint_used(dataset, tmp_path, damage):
+    config = load_config(write_config(tmp_path / "run.toml", dataset, train={"max_steps": 6},
+                                      checkpoint={"keep": 3}))
+    Trainer(config, tmp_path / "run").run()
+    newest = tmp_path / "run" / "checkpoints" / "step_00000006"
+    shard = next(newest.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    trainer = Trainer(load_config(write_config(tmp_path / "run.toml", dataset, train={"max_steps": 7},
+                                               checkpoint={"keep": 3})), tmp_path / "run")
+    assert trainer.resume_from.name == "step_00000003"
+    assert (tmp_path / "run" / "checkpoints" / "step_00000006.bad").is_dir()  # kept aside, never deleted
+    trainer.run()
+    assert trainer.state.step == 7
+
+
+def test_phases_switch_at_their_token_budgets_and_the_ramp_continues_across_resume(dataset, tmp_path):
+    phases = [
+        {"name": "first", "tokens": 1024, "seq_len": 32},
+        {"name": "second", "tokens": 0, "seq_len": 16, "rope_theta": 50000.0, "lr_scale": 0.5},
+    ]
+    config = write_config(tmp_path / "run.toml", dataset, phases=phases,
+                          data={"ramp_start": 4, "ramp_increment": 4, "ramp_samples": 16},
+                          train={"max_steps": 9}, checkpoint={"every": 4})
+    Trainer(load_config(config), tmp_path / "straight").run()
+    rows = read_metrics(tmp_path / "straight")
+    batches = [r["batch_size"] for r in rows]
+    assert batches == [4, 4, 4, 4, 8, 8, 8, 8, 8]
+    # 1024 tokens of seq_len 32: the step whose tokens reach the budget is the last of phase one
+    switch = next(r["step"] for r in rows if r["phase"] == "second")
+    assert sum(r["batch_size"] * 32 for r in rows if r["step"] < switch) >= 1024
+    assert sum(r["batch_size"] * 32 for r in rows if r["step"] < switch - 1) < 1024
+
+    # interrupted at step 6 and resumed: the same ramp and phases, the same losses
+    _train(config, tmp_path / "resumed", env={"ZAYA_FAULTS": "sigkill@step:6"})
+    assert _train(config, tmp_path / "resumed").returncode == 0
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+    resumed_rows = read_metrics(tmp_path / "resumed")
+    assert [r["batch_size"] for r in resumed_rows] == batches
+    state = json.loads((ckpt.resolve_checkpoint(tmp_path / "resumed") / "train_state.json").read_text())
+    assert state["state"]["phase"] == 1
+
+
+def test_controller_state_survives_resume(dataset, tmp_path):
+    config = load_config(write_config(tmp_path / "run.toml", dataset, train={"max_steps": 6},
+                                      balance={"ki": 0.01}))
+    trainer = Trainer(config, tmp_path / "run")
+    trainer.run()
+    biases = [b.moe.router.balancing_biases.clone() for b in trainer.model.blocks]
+    assert any(torch.any(b[:-1] != 0) for b in biases) and all(b[-1] == -1 for b in biases)
+    again = Trainer(config, tmp_path / "run")
+    again._build()
+    for block, expected in zip(again.model.blocks, biases, strict=True):
+        assert torch.equal(block.moe.router.balancing_biases, expected)
+    assert again.controller.state.steps == 6
+    assert torch.equal(again.controller.state.integral, trainer.controller.state.integral)
+
+
+def _assert_refused(result, *fragments):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zaya: error: ") and "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_bad_input_is_refused_with_one_line_and_nothing_written(dataset, tmp_path):
+    run = tmp_path / "run"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nmax_steps = 3\n")
+    _assert_refused(_train(bad, run), "bad.toml", "TOML")
+    _assert_refused(_train(write_config(bad, dataset, train={"max_stepz": 3}), run), "train.max_stepz")
+    _assert_refused(_train(write_config(bad, dataset, train={"max_steps": "many"}), run), "train.max_steps")
+    _assert_refused(_train(write_config(bad, dataset, model={"preset": "huge"}), run), "model.preset", "huge")
+    _assert_refused(_train(write_config(bad, tmp_path / "nowhere"), run), "nowhere")
+    assert not run.exists()
+
+
+def test_a_changed_dataset_is_refused_unless_allowed(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 3})
+    Trainer(load_config(config), tmp_path / "run").run()
+    other = build_code_dataset(tmp_path, ["json"], val_fraction=0.3)
+    changed = write_config(tmp_path / "changed.toml", other, train={"max_steps": 5})
+    before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    _assert_refused(_train(changed, tmp_path / "run"), "--allow-data-change")
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
+    allowed = _train(changed, tmp_path / "run", "--allow-data-change")
+    assert allowed.returncode == 0, allowed.stderr
+
+
+def test_a_checkpoint_whose_metadata_would_run_code_is_refused_everywhere(dataset, tmp_path, monkeypatch):
+    import pickle
+
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 3})
+    Trainer(load_config(config), tmp_path / "run").run()
+    target = tmp_path / "run" / "checkpoints" / "step_00000003" / ".metadata"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch pwned",))
+
+    metadata = pickle.loads(target.read_bytes())
+    metadata.planner_data = Payload()
+    target.write_bytes(pickle.dumps(metadata))
+    # the attacker fixes the manifest too, so only the unpickler stands in the way
+    manifest = json.loads((target.parent / "manifest.rank0.json").read_text())
+    ckpt.write_manifest(target.parent, 0, manifest["files"])
+    # resume: the bad checkpoint is set aside as .bad (a fresh run then starts), the payload never runs
+    result = _train(config, tmp_path / "run")
+    assert result.returncode == 0
+    assert (tmp_path / "run" / "checkpoints" / "step_00000003.bad").exists()
+    bad = tmp_path / "run" / "checkpoints" / "step_00000003.bad"
+    for args in (["generate", "--model", str(bad), "--prompt-ids", "1,2"], ["convert", str(bad), "out"]):
+        refused = subprocess.run([sys.executable, "-m", "zaya.cli", *args], capture_output=True, text=True,
+                                 timeout=120)
+        _assert_refused(refused, "not allowed")
+    assert not (tmp_path / "pwned").exists()
