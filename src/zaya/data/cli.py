@@ -1,0 +1,128 @@
+"""`zaya data`: build a tokenized dataset from text, and inspect or verify one.
+
+    zaya data build --input corpus/ notes.jsonl --out data/mine          # trains an 8192-entry BPE
+    zaya data build --input stdlib --out data/stdlib                    # the Python standard library
+    zaya data build --input corpus/ --out data/mine --tokenizer tokenizer.json
+    zaya data inspect data/mine --verify
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from zaya.data.build import DEFAULT_TOKENIZER_SAMPLE_BYTES, DEFAULT_VAL_FRACTION, BuildOptions, build_dataset
+from zaya.data.shards import DEFAULT_SHARD_TOKENS, Dataset, open_dataset
+from zaya.data.tokenizer import DEFAULT_VOCAB_SIZE, EOS_TOKEN
+from zaya.errors import ZayaError
+
+
+@click.group()
+def data() -> None:
+    """Build and inspect tokenized datasets."""
+
+
+@data.command()
+@click.option("--input", "-i", "inputs", multiple=True, metavar="PATH",
+              help="A .txt, .jsonl or .parquet file, a directory of them, or 'stdlib' (the Python standard "
+                   "library's source). Repeatable; further paths may follow as arguments.")
+@click.argument("more_inputs", nargs=-1, metavar="[PATH]...")
+@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="The dataset directory to write.")
+@click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+              help="Use this tokenizer.json instead of training a byte-level BPE.")
+@click.option("--vocab-size", type=int, default=None,
+              help=f"Size of the BPE to train [default: {DEFAULT_VOCAB_SIZE}].")
+@click.option("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, show_default=True,
+              help="Share of documents held out for validation, chosen by a hash of their text.")
+@click.option("--text-field", default="text", show_default=True, help="The text field of .jsonl and .parquet.")
+@click.option("--doc-separator", default=None,
+              help="Split .txt files into documents at this string (default: one document per file).")
+@click.option("--eos-token", default=EOS_TOKEN, show_default=True,
+              help="The end-of-document token appended to each document.")
+@click.option("--strict", is_flag=True, help="Stop at the first bad jsonl/parquet record instead of skipping it.")
+@click.option("--bpe-sample-mb", type=click.IntRange(min=1), default=DEFAULT_TOKENIZER_SAMPLE_BYTES >> 20,
+              show_default=True, help="Train the BPE on at most this much text, an even share of every file.")
+@click.option("--workers", type=int, default=0, help="Tokenizer processes [default: one per CPU core].")
+@click.option("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, show_default=True,
+              help="Tokens per super-shard file.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing dataset at --out.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bars on stderr [default: when stderr is a terminal].")
+def build(inputs, more_inputs, out, tokenizer, vocab_size, val_fraction, text_field, doc_separator, eos_token,
+          strict, bpe_sample_mb, workers, shard_tokens, overwrite, progress) -> None:
+    """Tokenize text files into a dataset of token super-shards, a document index and a manifest."""
+    if tokenizer is not None and vocab_size is not None:
+        raise ZayaError("give --tokenizer or --vocab-size, not both")
+    options = BuildOptions(
+        inputs=(*inputs, *more_inputs),
+        out=out,
+        tokenizer=tokenizer,
+        vocab_size=DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size,
+        val_fraction=val_fraction,
+        text_field=text_field,
+        doc_separator=doc_separator,
+        eos_token=eos_token,
+        strict=strict,
+        tokenizer_sample_bytes=bpe_sample_mb << 20,
+        workers=workers,
+        shard_tokens=shard_tokens,
+        overwrite=overwrite,
+        progress=sys.stderr.isatty() if progress is None else progress,
+    )
+    report = build_dataset(options)
+    for problem in report.problems:
+        click.echo(f"zaya: warning: {problem}", err=True)
+    skipped = []
+    if report.bad_records:
+        skipped.append(f"skipped {report.bad_records} bad records")
+    if report.invalid_utf8_documents:
+        skipped.append(f"{report.invalid_utf8_documents} documents had invalid UTF-8 (replaced by U+FFFD)")
+    if skipped:
+        shown = f"; the first {len(report.problems)} are listed above" if report.problems else ""
+        click.echo(f"zaya: warning: {', '.join(skipped)}{shown}", err=True)
+    click.echo(_format(open_dataset(report.path)))
+    click.echo(f"built in {report.seconds:.1f}s")
+
+
+@data.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--verify", is_flag=True, help="Recompute every file's SHA-256 and compare with the manifest.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar for --verify [default: when stderr is a terminal].")
+def inspect(directory, as_json, verify, progress) -> None:
+    """Summarise a dataset's manifest; with --verify, check every checksum."""
+    dataset = open_dataset(directory)
+    summary = dataset.summary()
+    if verify:
+        checked = dataset.verify(progress=sys.stderr.isatty() if progress is None else progress)
+        summary["verified_files"] = checked
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    click.echo(_format(dataset))
+    if verify:
+        click.echo(f"verified     {summary['verified_files']} files: every checksum matches")
+
+
+def _format(dataset: Dataset) -> str:
+    summary = dataset.summary()
+    tokenizer = summary["tokenizer"]
+    corpus = summary["corpus"]
+    lines = [
+        f"dataset      {summary['path']}",
+        f"fingerprint  {summary['fingerprint']}",
+        f"tokenizer    {tokenizer['file']}: vocab {tokenizer['vocab_size']}, eos id {tokenizer['eos_id']}, "
+        f"sha256 {tokenizer['sha256'][:16]}",
+        f"tokens       {summary['num_tokens']:,} as {summary['dtype']} (largest id {summary['max_token_id']})",
+    ]
+    for name, split in summary["splits"].items():
+        lines.append(f"{name:<12} {split['num_tokens']:,} tokens, {split['num_documents']:,} documents, "
+                     f"{split['shards']} shard{'s' if split['shards'] != 1 else ''}")
+    lines.append(f"corpus       {corpus['files']:,} files, {corpus['text_bytes'] / 1e6:.1f} MB of text, "
+                 f"{corpus['bad_records']} bad records skipped, {corpus['invalid_utf8_documents']} documents "
+                 "with invalid UTF-8")
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""The tokenizer of a dataset: a byte-level BPE trained on the corpus, or a given `tokenizer.json`.
+
+A trained tokenizer reserves its first ids for the special tokens `<pad>`=0, `<eos>`=1 and `<bos>`=2, the
+model config's defaults, so a model built from a preset needs no id remapping. The builder appends the
+end-of-document token after every document; the tokenizer itself adds nothing, so encoding a prompt at
+inference gives just the prompt's ids.
+
+Training is deterministic: the `tokenizers` BPE trainer has no randomness, assigns the 256 byte-level symbols
+ids in sorted order and breaks ties between equally frequent pairs by those ids. (Its one known source of run-
+to-run differences, lazily created continuing-subword tokens, is unused by byte-level BPE.) The dataset tests
+check that two builds, in two processes, produce the same tokenizer bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from zaya.errors import ZayaError
+from zaya.infer.tokenizer import load_tokenizer
+
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
+DEFAULT_VOCAB_SIZE = 8192
+EOS_TOKEN = "<eos>"
+# 256 byte symbols plus the special tokens: anything smaller cannot encode every string
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+MAX_VOCAB_SIZE = 1 << 32
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the dataset records about its tokenizer."""
+
+    vocab_size: int
+    eos_id: int
+    special_ids: dict[str, int]
+    sha256: str
+
+    def to_dict(self) -> dict:
+        return {"vocab_size": self.vocab_size, "eos_id": self.eos_id, "special_ids": dict(self.special_ids),
+                "sha256": self.sha256}
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    """Refuse a vocabulary size a byte-level BPE cannot have."""
+    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ZayaError(f"--vocab-size must be between {MIN_VOCAB_SIZE} and {MAX_VOCAB_SIZE}, got {vocab_size}")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, *, progress: bool = False) -> Tokenizer:
+    """A byte-level BPE with `vocab_size` entries (fewer if the corpus has too few distinct pairs)."""
+    check_vocab_size(vocab_size)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def open_tokenizer(path: Path) -> tuple[Tokenizer, bytes]:
+    """A tokenizer.json and its exact bytes (the dataset stores an identical copy)."""
+    tokenizer = load_tokenizer(path)
+    return tokenizer, Path(path).read_bytes()
+
+
+def tokenizer_bytes(tokenizer: Tokenizer) -> bytes:
+    """The tokenizer.json bytes of a tokenizer made here."""
+    return tokenizer.to_str(pretty=True).encode("utf-8")
+
+
+def describe(tokenizer: Tokenizer, data: bytes, source: str, eos_token: str = EOS_TOKEN) -> TokenizerInfo:
+    """The dataset's record of a tokenizer; `data` is its JSON as stored, `source` names it in errors."""
+    eos_id = tokenizer.token_to_id(eos_token)
+    if eos_id is None:
+        raise ZayaError(f"{source}: no '{eos_token}' token; name the end-of-document token with --eos-token")
+    special_ids = {token: tokenizer.token_to_id(token) for token in (*SPECIAL_TOKENS, eos_token)}
+    return TokenizerInfo(
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        eos_id=eos_id,
+        special_ids={token: i for token, i in special_ids.items() if i is not None},
+        sha256=hashlib.sha256(data).hexdigest(),
+    )
