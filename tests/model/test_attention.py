@@ -67,6 +67,15 @@ def _reference_qkv(attn: CompressedConvAttention, x: torch.Tensor):
     return q, k, v, y
 
 
+def _reference_rope(x: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:
+    """NeoX rotate-half on the first rotary_dim dims of x [B, T, H, d], positions 0..T-1."""
+    T, half = x.shape[1], rotary_dim // 2
+    angles = torch.arange(T, dtype=torch.float32)[:, None] * base ** (-torch.arange(half) * 2 / rotary_dim)
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
 @pytest.mark.parametrize("kernels", [(2, 2), (3, 2), (2, 4)])
 def test_two_stage_convolution_matches_a_single_padding_reference(make_model, kernels):
     model = make_model("micro", cca_time0=kernels[0], cca_time1=kernels[1])
@@ -82,16 +91,15 @@ def test_two_stage_convolution_matches_a_single_padding_reference(make_model, ke
         captured["o_in"] = _inputs[0]
 
     handle = attn.o_proj.register_forward_hook(capture)
-    cos, sin = RotaryEmbedding(model.config.rotary_dim, model.config.rope_theta)(torch.arange(9))
+    rotary = RotaryEmbedding(model.config.head_dim, model.config.rotary_dim, model.config.rope_theta)
     with torch.no_grad():
-        attn(x, cos, sin)
+        attn(x, (*rotary(torch.arange(9)), rotary.partner))
         handle.remove()
         d = attn.head_dim
         qn = q_ref * (math.sqrt(d) / q_ref.norm(dim=-1, keepdim=True))
         kn = k_ref * (math.sqrt(d) / k_ref.norm(dim=-1, keepdim=True)) * attn.temp[None, None, :, None]
-        from zaya.model.layers import apply_rotary
-
-        qn, kn = apply_rotary(qn, cos, sin).transpose(1, 2), apply_rotary(kn, cos, sin).transpose(1, 2)
+        qn = _reference_rope(qn, model.config.rotary_dim, model.config.rope_theta).transpose(1, 2)
+        kn = _reference_rope(kn, model.config.rotary_dim, model.config.rope_theta).transpose(1, 2)
         kn = kn.repeat_interleave(attn.group_size, 1)
         vv = v_ref.transpose(1, 2).repeat_interleave(attn.group_size, 1)
         scores = (qn @ kn.transpose(-1, -2)) / math.sqrt(d)

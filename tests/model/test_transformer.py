@@ -30,11 +30,11 @@ def test_a_block_at_init_is_a_plain_prenorm_block(make_model):
     for res in (block.attn_residual, block.moe_residual):
         res.load_state_dict(ResidualScaling(model.config.hidden_size).state_dict())
     h = torch.randn(2, 6, model.config.hidden_size)
-    cos, sin = model.rotary(torch.arange(6))
+    rope = (*model.rotary(torch.arange(6)), model.rotary.partner)
     state = torch.randn(12, model.config.router_hidden_size)
     with torch.no_grad():
-        out, _ = block(h, state, cos, sin)
-        u = h + block.attn(block.attn_norm(h), cos, sin)
+        out, _ = block(h, state, rope)
+        u = h + block.attn(block.attn_norm(h), rope)
         expected = u + block.moe(block.moe_norm(u), state)[0]
     torch.testing.assert_close(out, expected)
 

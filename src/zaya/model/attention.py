@@ -159,10 +159,10 @@ class CompressedConvAttention(nn.Module):
     def forward(
         self,
         x_BTD: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         cache: AttentionCache | None = None,
     ) -> torch.Tensor:
+        """`rope` is (cos, sin, partner) from `RotaryEmbedding` for the positions of x's tokens."""
         B, T, _ = x_BTD.shape
         Hq, Hk, d, g, P = self.num_q_heads, self.num_kv_heads, self.head_dim, self.group_size, self.padding
         Q, K = Hq * d, Hk * d
@@ -207,7 +207,7 @@ class CompressedConvAttention(nn.Module):
         qk = qk * torch.cat([self.temp.new_ones(Hq), self.temp]).to(dtype)[:, None]
 
         # 7. partial RoPE at absolute positions
-        qk = apply_rotary(qk, cos, sin).transpose(1, 2)
+        qk = apply_rotary(qk, *rope).transpose(1, 2)
         q, k = qk[:, :Hq], qk[:, Hq:]
         v = v.transpose(1, 2)
 

@@ -16,8 +16,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Round the input to the weight dtype first, then normalise in fp32: the public checkpoints' numerics.
         dtype = self.weight.dtype
+        if x.dtype == dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Round the input to the weight dtype first, then normalise in fp32: the public checkpoints' numerics.
         normed = F.rms_norm(x.to(dtype).float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(dtype)
 
@@ -40,7 +42,9 @@ class ResidualScaling(nn.Module):
     def forward(self, branch: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         # The branch may come out of an autocast matmul: lift it to the parameters' dtype before the affine.
         branch = branch.to(self.branch_scale.dtype)
-        return (branch + self.branch_bias) * self.branch_scale + (stream + self.stream_bias) * self.stream_scale
+        # Expanded as o*s_o + h*s_h + (b_o*s_o + b_h*s_h): two fused passes over the stream instead of five.
+        shift = self.branch_bias * self.branch_scale + self.stream_bias * self.stream_scale
+        return torch.addcmul(torch.addcmul(shift, stream, self.stream_scale), branch, self.branch_scale)
 
 
 class EmbeddingScaling(nn.Module):
@@ -58,13 +62,24 @@ class EmbeddingScaling(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Partial NeoX ("rotate-half") RoPE: the first `rotary_dim` dims of a head rotate, the rest pass through.
 
-    Pairs are (i, i + rotary_dim/2) with angle pos * theta_i, theta_i = base^(-2i / rotary_dim).
+    Pairs are (i, i + r/2) with angle pos * theta_i, theta_i = base^(-2i / r), r = rotary_dim:
+
+        x'_i       = x_i cos - x_{i+r/2} sin,     x'_{i+r/2} = x_{i+r/2} cos + x_i sin
+
+    Written for a whole head as x' = x * cos + x[partner] * sin, with cos = 1 and sin = 0 on the
+    dims that pass through and the sign folded into sin.
     """
 
-    def __init__(self, rotary_dim: int, base: float):
+    def __init__(self, head_dim: int, rotary_dim: int, base: float):
         super().__init__()
+        self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.register_buffer("inv_freq", self._inv_freq(rotary_dim, base), persistent=False)
+        half = rotary_dim // 2
+        partner = torch.arange(head_dim)
+        partner[:half] += half
+        partner[half:rotary_dim] -= half
+        self.register_buffer("partner", partner, persistent=False)
 
     @staticmethod
     def _inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -73,20 +88,22 @@ class RotaryEmbedding(nn.Module):
     def set_base(self, base: float) -> None:
         """Change the RoPE base in place (context extension phases raise it, e.g. 1e4 -> 1e6)."""
         self.inv_freq.copy_(self._inv_freq(self.rotary_dim, base).to(self.inv_freq.device))
+        half = self.rotary_dim // 2
+        partner = torch.arange(self.head_dim, device=self.partner.device)
+        partner[:half] += half
+        partner[half : self.rotary_dim] -= half
+        self.partner.copy_(partner)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables of shape [T, rotary_dim] (fp32) for integer positions [T]."""
+        """cos and signed sin tables [T, head_dim] (fp32) for integer positions [T]."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :].float()
-        angles = torch.cat([freqs, freqs], dim=-1)
-        return angles.cos(), angles.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        keep = cos.new_ones(cos.shape[0], self.head_dim - self.rotary_dim)
+        return torch.cat([cos, cos, keep], dim=-1), torch.cat([-sin, sin, keep * 0], dim=-1)
 
 
-def apply_rotary(x_BTHd: torch.Tensor, cos_Tr: torch.Tensor, sin_Tr: torch.Tensor) -> torch.Tensor:
-    """Rotate the first r dims of every head of `x` [B, T, H, d]; dims r..d pass through unchanged."""
-    r = cos_Tr.shape[-1]
-    cos = cos_Tr[None, :, None, :].to(x_BTHd.dtype)
-    sin = sin_Tr[None, :, None, :].to(x_BTHd.dtype)
-    x_rot, x_pass = x_BTHd[..., :r], x_BTHd[..., r:]
-    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+def apply_rotary(x_BTHd: torch.Tensor, cos_Td: torch.Tensor, sin_Td: torch.Tensor, partner_d: torch.Tensor):
+    """Rotate every head of `x` [B, T, H, d] by the tables of `RotaryEmbedding.forward`."""
+    cos = cos_Td[None, :, None, :].to(x_BTHd.dtype)
+    sin = sin_Td[None, :, None, :].to(x_BTHd.dtype)
+    return torch.addcmul(x_BTHd * cos, x_BTHd.index_select(-1, partner_d), sin)

@@ -59,12 +59,12 @@ class ZayaRouter(nn.Module):
 
     def forward(self, x_ND: torch.Tensor, prev_state: torch.Tensor | None) -> Routing:
         with torch.autocast(x_ND.device.type, enabled=False):
-            c = _linear32(x_ND.float(), self.down_proj)
+            c = _linear32(_fp32(x_ND), self.down_proj)
             if self.router_states_scale is not None and prev_state is not None:
-                r = c + prev_state * self.router_states_scale.float()
+                r = c + prev_state * _fp32(self.router_states_scale)
             else:
                 r = c
-            h = F.rms_norm(r, self.norm.weight.shape, self.norm.weight.float(), self.norm.eps)
+            h = F.rms_norm(r, self.norm.weight.shape, _fp32(self.norm.weight), self.norm.eps)
             h = F.gelu(_linear32(h, self.fc1))
             h = F.gelu(_linear32(h, self.fc2))
             logits = _linear32(h, self.out_proj)
@@ -82,5 +82,8 @@ def initial_balancing_biases(num_experts: int) -> torch.Tensor:
 
 
 def _linear32(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    bias = None if layer.bias is None else layer.bias.float()
-    return F.linear(x, layer.weight.float(), bias)
+    return F.linear(x, _fp32(layer.weight), None if layer.bias is None else _fp32(layer.bias))
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()

@@ -60,12 +60,11 @@ class ZayaBlock(nn.Module):
         self,
         h: torch.Tensor,
         router_state: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         cache: AttentionCache | None = None,
         stats: RouterStats | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        a = self.attn(self.attn_norm(h), cos, sin, cache)
+        a = self.attn(self.attn_norm(h), rope, cache)
         u = self.attn_residual(a, h)
         m, routing = self.moe(self.moe_norm(u), router_state)
         if stats is not None:
@@ -81,7 +80,7 @@ class Zaya(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_scaling = EmbeddingScaling(config.hidden_size)
-        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rotary_dim, config.rope_theta)
         self.blocks = nn.ModuleList(ZayaBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.reset_parameters()
@@ -140,12 +139,12 @@ class Zaya(nn.Module):
         T = input_ids.shape[1]
         past = cache.length if cache is not None else 0
         positions = torch.arange(past, past + T, device=input_ids.device)
-        cos, sin = self.rotary(positions)
+        rope = (*self.rotary(positions), self.rotary.partner)
         h = self.embed_scaling(self.embed(input_ids))
         router_state = None
         for i, block in enumerate(self.blocks):
             layer_cache = cache.layers[i] if cache is not None else None
-            h, router_state = block(h, router_state, cos, sin, layer_cache, router_stats)
+            h, router_state = block(h, router_state, rope, layer_cache, router_stats)
         return self.norm(h)
 
     def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:

@@ -351,7 +351,7 @@ class Trainer:
                 synchronize(self.device)
                 seconds = time.perf_counter() - started
                 tokens_per_s = row["batch_size"] * self.phases[self.state.phase].seq_len / seconds
-                row.update(step=self.state.step, step_time=seconds, tokens_per_s=tokens_per_s,
+                row.update(step=self.state.step, time=time.time(), step_time=seconds, tokens_per_s=tokens_per_s,
                            mfu=tokens_per_s * self.flops_per_token / self.peak)
                 self._maybe_switch_phase()
                 step = self.state.step

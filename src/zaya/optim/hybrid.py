@@ -1,0 +1,398 @@
+"""Muon for the model's matrices, AdamW for everything else, as one optimizer.
+
+The split, by module type and attribute (never by a parameter's qualified name):
+
+    Muon    every nn.Linear weight inside a block: attention q/k/v_cur/v_del/o projections and the router's
+            down/fc1/fc2/out matrices; both stacked expert tensors (each of the E matrices on its own)
+    AdamW   the tied embedding (also the LM head) and the convolution weights, with weight decay;
+            norms, biases, residual scales and biases, the embedding affine, EDA gammas and key
+            temperatures, without weight decay unless `decay_vectors` is set
+
+With `adjust_lr_fn="match_rms_adamw"` Muon's updates have AdamW's RMS, so both take the same learning
+rate and one schedule: each param group keeps its configured rate as `initial_lr`, and the trainer sets
+`lr = initial_lr * multiplier(step)` on every group (`zaya.optim.schedule.set_lr_multiplier`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.optim.adam import adam
+
+from zaya.errors import ZayaError
+from zaya.model.attention import CompressedConvAttention
+from zaya.model.layers import EmbeddingScaling, ResidualScaling, RMSNorm
+from zaya.model.moe import Experts
+from zaya.model.router import ZayaRouter
+from zaya.model.transformer import ZayaBlock
+from zaya.optim.muon import (
+    ADJUST_LR_FNS,
+    NS_BACKENDS,
+    NS_COEFFICIENTS,
+    NS_DTYPES,
+    NS_EPS,
+    NS_STEPS,
+    Workspace,
+    muon_defaults,
+    muon_step,
+    validate_muon_group,
+)
+
+ALGORITHMS = ("muon", "adamw")
+
+
+@dataclass
+class OptimConfig:
+    """Hyperparameters of the Muon + AdamW optimizer; validated on construction."""
+
+    lr: float = 1e-3  # Muon's rate, and AdamW's unless adamw_lr is set
+    weight_decay: float = 0.1  # decoupled; on the matrices (Muon's, the embedding, the convolutions)
+    adamw_lr: float | None = None
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_eps: float = 1e-8
+    decay_vectors: bool = False  # also decay norms, biases, scales, EDA gammas and temperatures
+    momentum: float = 0.95  # Muon's
+    nesterov: bool = True
+    ns_steps: int = NS_STEPS
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
+    ns_eps: float = NS_EPS
+    ns_dtype: str = "bfloat16"  # precision of the Newton-Schulz iteration: "bfloat16" or "float32"
+    ns_backend: str = "auto"  # "eager", "compiled" or "auto" (compiled on GPUs, eager on the CPU)
+    adjust_lr_fn: str = "match_rms_adamw"  # or "original": sqrt(max(1, rows / cols))
+
+    def __post_init__(self) -> None:
+        self._tuples_from_lists()
+        self.validate()
+
+    def _tuples_from_lists(self) -> None:
+        # a JSON or YAML config gives lists where the fields hold tuples
+        for name in ("adamw_betas", "ns_coefficients"):
+            if isinstance(getattr(self, name), list):
+                setattr(self, name, tuple(getattr(self, name)))
+
+    @property
+    def adamw_rate(self) -> float:
+        return self.lr if self.adamw_lr is None else self.adamw_lr
+
+    def validate(self, source: str = "optimizer config") -> None:
+        """Raise `ZayaError` naming the first field that cannot configure the optimizer."""
+        for name in ("lr", "adamw_eps", "ns_eps"):
+            if not _positive(getattr(self, name)):
+                raise ZayaError(f"{source}: field '{name}' must be a positive number, got {getattr(self, name)!r}")
+        if self.adamw_lr is not None and not _positive(self.adamw_lr):
+            raise ZayaError(f"{source}: field 'adamw_lr' must be a positive number or null, got {self.adamw_lr!r}")
+        if not _number(self.weight_decay) or self.weight_decay < 0:
+            raise ZayaError(f"{source}: field 'weight_decay' must be a non-negative number, got {self.weight_decay!r}")
+        betas = self.adamw_betas
+        if not isinstance(betas, tuple) or len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+            raise ZayaError(f"{source}: field 'adamw_betas' must be two numbers in [0, 1), got {betas!r}")
+        if not _number(self.momentum) or not 0 <= self.momentum < 1:
+            raise ZayaError(f"{source}: field 'momentum' must be in [0, 1), got {self.momentum!r}")
+        for name in ("nesterov", "decay_vectors"):
+            if not isinstance(getattr(self, name), bool):
+                raise ZayaError(f"{source}: field '{name}' must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.ns_steps, int) or isinstance(self.ns_steps, bool) or not 1 <= self.ns_steps < 100:
+            raise ZayaError(f"{source}: field 'ns_steps' must be an integer in 1..99, got {self.ns_steps!r}")
+        coefficients = self.ns_coefficients
+        if not isinstance(coefficients, tuple) or len(coefficients) != 3 or not all(map(_number, coefficients)):
+            raise ZayaError(f"{source}: field 'ns_coefficients' must be three numbers (a, b, c), got {coefficients!r}")
+        choices = {"ns_dtype": tuple(NS_DTYPES), "ns_backend": NS_BACKENDS, "adjust_lr_fn": ADJUST_LR_FNS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ZayaError(
+                    f"{source}: field '{name}' must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "optimizer config") -> OptimConfig:
+        """Build from a dict (a config file's section), refusing unknown fields with a message naming `source`."""
+        if not isinstance(data, dict):
+            raise ZayaError(f"{source}: expected an object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ZayaError(f"{source}: unknown field '{unknown[0]}'")
+        config = cls.__new__(cls)
+        for f in dataclasses.fields(cls):
+            setattr(config, f.name, data.get(f.name, f.default))
+        config._tuples_from_lists()
+        config.validate(source)
+        return config
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive(value: Any) -> bool:
+    return _number(value) and value > 0
+
+
+# ---- the split --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParamGroupSpec:
+    """One param group of the split: its name ("muon/attention", ...), algorithm and members."""
+
+    name: str
+    algorithm: str
+    decay: bool  # weight decay applies (always for matrices; for vectors when `decay_vectors`)
+    names: list[str] = field(default_factory=list)
+    params: list[nn.Parameter] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def matrices(self) -> int:
+        """Matrices Muon orthogonalises: one per 2-D parameter, E per stacked [E, m, n] parameter."""
+        return sum(p.shape[0] if p.ndim == 3 else 1 for p in self.params)
+
+
+# Group name, algorithm and whether weight decay is a matrix's (always on) or a vector's (configurable).
+_GROUPS = {
+    "muon/attention": ("muon", True),
+    "muon/router": ("muon", True),
+    "muon/experts": ("muon", True),
+    "muon/block-matrices": ("muon", True),
+    "adamw/embedding": ("adamw", True),
+    "adamw/convolutions": ("adamw", True),
+    "adamw/norms": ("adamw", False),
+    "adamw/biases": ("adamw", False),
+    "adamw/residual-scaling": ("adamw", False),
+    "adamw/eda-gammas": ("adamw", False),
+    "adamw/temperatures": ("adamw", False),
+    "adamw/other": ("adamw", False),
+}
+
+_ATTENTION_ATTRIBUTES = {
+    "conv0_weight": "adamw/convolutions",
+    "conv1_weight": "adamw/convolutions",
+    "conv0_bias": "adamw/biases",
+    "conv1_bias": "adamw/biases",
+    "temp": "adamw/temperatures",
+}
+
+
+def _group_of(module: nn.Module, attribute: str, context: str | None) -> str:
+    """The group of `module.<attribute>`; `context` is the nearest enclosing block, attention or router."""
+    if isinstance(module, Experts):
+        return "muon/experts"
+    if isinstance(module, nn.Linear):
+        if attribute == "bias":
+            return "adamw/biases"
+        if context is None:  # a matrix outside the blocks
+            return "adamw/other"
+        return {"attention": "muon/attention", "router": "muon/router"}.get(context, "muon/block-matrices")
+    if isinstance(module, nn.Embedding):
+        return "adamw/embedding"
+    if isinstance(module, RMSNorm):
+        return "adamw/norms"
+    if isinstance(module, (ResidualScaling, EmbeddingScaling)):
+        return "adamw/residual-scaling"
+    if isinstance(module, ZayaRouter) and attribute == "router_states_scale":
+        return "adamw/eda-gammas"
+    if isinstance(module, CompressedConvAttention) and attribute in _ATTENTION_ATTRIBUTES:
+        return _ATTENTION_ATTRIBUTES[attribute]
+    return "adamw/other"
+
+
+def _walk(module: nn.Module, prefix: str = "", context: str | None = None) -> Iterator[tuple[str, str, Tensor]]:
+    """(qualified name, group, parameter) for every parameter registered under `module`."""
+    for attribute, param in module.named_parameters(recurse=False):
+        yield prefix + attribute, _group_of(module, attribute, context), param
+    for child_name, child in module.named_children():
+        child_context = context
+        if isinstance(child, CompressedConvAttention):
+            child_context = "attention"
+        elif isinstance(child, ZayaRouter):
+            child_context = "router"
+        elif isinstance(child, ZayaBlock):
+            child_context = "block"
+        yield from _walk(child, f"{prefix}{child_name}.", child_context)
+
+
+def split_parameters(model: nn.Module, decay_vectors: bool = False) -> list[ParamGroupSpec]:
+    """The model's parameters split into the named groups above (empty groups left out), each parameter
+    once (a tied weight under its first name), in model order within a group."""
+    specs = {name: ParamGroupSpec(name, algorithm, decay) for name, (algorithm, decay) in _GROUPS.items()}
+    seen: set[int] = set()
+    for name, group, param in _walk(model):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        specs[group].names.append(name)
+        specs[group].params.append(param)
+    for spec in specs.values():
+        spec.decay = spec.decay or decay_vectors
+    return [spec for spec in specs.values() if spec.params]
+
+
+# ---- the optimizer ----------------------------------------------------------------------------------
+
+
+def adamw_defaults(
+    lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0
+) -> dict[str, Any]:
+    """The hyperparameters of an AdamW param group, as stored in it."""
+    return {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+
+
+class MuonAdamW(Optimizer):
+    """One optimizer over param groups tagged `algorithm="muon"` or `algorithm="adamw"`.
+
+    Muon groups carry Muon's hyperparameters (see `zaya.optim.muon.Muon`) and are stepped together, so
+    same-shape matrices of different groups share their Newton-Schulz batches; AdamW groups carry `lr`,
+    `betas`, `eps`, `weight_decay` and are stepped with `torch.optim.AdamW`'s own functional code (state
+    `step`, `exp_avg`, `exp_avg_sq`, as torch keeps it). Missing hyperparameters take the defaults of
+    `muon_defaults` / `adamw_defaults`. Every group also keeps `initial_lr`, its configured rate.
+    """
+
+    def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
+        super().__init__(list(param_groups), defaults={})
+        self._workspace = Workspace()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._workspace = Workspace()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        algorithm = param_group.get("algorithm")
+        if algorithm not in ALGORITHMS:
+            raise ZayaError(f"MuonAdamW: param group 'algorithm' must be one of {', '.join(ALGORITHMS)}, "
+                            f"got {algorithm!r}")
+        defaults = muon_defaults() if algorithm == "muon" else adamw_defaults()
+        for key, value in defaults.items():
+            param_group.setdefault(key, value)
+        if algorithm == "muon":
+            param_group["ns_dtype"] = muon_defaults(ns_dtype=param_group["ns_dtype"])["ns_dtype"]
+        param_group.setdefault("initial_lr", param_group["lr"])
+        param_group.setdefault("name", algorithm)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        where = f"MuonAdamW group '{group['name']}'"
+        if algorithm == "muon":
+            validate_muon_group(group, where)
+        else:
+            _validate_adamw_group(group, where)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One step of every group; returns the closure's loss, if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        muon_step([g for g in self.param_groups if g["algorithm"] == "muon"], self.state, self._workspace)
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                _adamw_step(group, self.state)
+        return loss
+
+
+def _validate_adamw_group(group: MutableMapping[str, Any], where: str) -> None:
+    for name in ("lr", "weight_decay"):
+        if not _number(group[name]) or group[name] < 0:
+            raise ZayaError(f"{where}: '{name}' must be a non-negative number, got {group[name]!r}")
+    if not _positive(group["eps"]):
+        raise ZayaError(f"{where}: 'eps' must be a positive number, got {group['eps']!r}")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+        raise ZayaError(f"{where}: 'betas' must be two numbers in [0, 1), got {betas!r}")
+
+
+def _adamw_step(group: MutableMapping[str, Any], state: MutableMapping[Tensor, dict[str, Any]]) -> None:
+    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    for param in group["params"]:
+        if param.grad is None:
+            continue
+        if param.grad.is_sparse:
+            raise ZayaError("AdamW: sparse gradients are not supported")
+        param_state = state[param]
+        if not param_state:
+            # torch.optim.AdamW's state layout, so either can resume from the other's state dict
+            param_state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+            param_state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            param_state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        params.append(param)
+        grads.append(param.grad)
+        exp_avgs.append(param_state["exp_avg"])
+        exp_avg_sqs.append(param_state["exp_avg_sq"])
+        steps.append(param_state["step"])
+    if not params:
+        return
+    beta1, beta2 = group["betas"]
+    adam(
+        params, grads, exp_avgs, exp_avg_sqs, [], steps,
+        foreach=None, capturable=False, differentiable=False, fused=None, grad_scale=None, found_inf=None,
+        has_complex=any(torch.is_complex(p) for p in params), decoupled_weight_decay=True,
+        amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+        eps=group["eps"], maximize=False,
+    )  # fmt: skip
+
+
+def _scalar_dtype() -> torch.dtype:
+    # the dtype torch.optim gives its step counters
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def build_optimizer(model: nn.Module, config: OptimConfig | None = None) -> MuonAdamW:
+    """Muon + AdamW over all of `model`'s parameters, split by `split_parameters`; one group per split group
+    (named as in `describe_param_groups`), each with `initial_lr` set for the schedule."""
+    config = config or OptimConfig()
+    groups = []
+    for spec in split_parameters(model, config.decay_vectors):
+        weight_decay = config.weight_decay if spec.decay else 0.0
+        if spec.algorithm == "muon":
+            hyper = muon_defaults(
+                lr=config.lr, weight_decay=weight_decay, momentum=config.momentum, nesterov=config.nesterov,
+                ns_coefficients=config.ns_coefficients, eps=config.ns_eps, ns_steps=config.ns_steps,
+                adjust_lr_fn=config.adjust_lr_fn, ns_dtype=config.ns_dtype, ns_backend=config.ns_backend,
+            )  # fmt: skip
+        else:
+            hyper = adamw_defaults(config.adamw_rate, config.adamw_betas, config.adamw_eps, weight_decay)
+        groups.append(
+            {"params": spec.params, "name": spec.name, "algorithm": spec.algorithm, **hyper, "initial_lr": hyper["lr"]}
+        )
+    return MuonAdamW(groups)
+
+
+def describe_param_groups(model: nn.Module, config: OptimConfig | None = None) -> str:
+    """A table of the split: group, algorithm, learning rate, weight decay, tensors, matrices (Muon), parameters
+    and the distinct parameter names (layer and expert indices as *); its total is the model's parameter count."""
+    config = config or OptimConfig()
+    specs = split_parameters(model, config.decay_vectors)
+    header = f"{'group':<24}{'algorithm':<10}{'lr':>9}{'wd':>6}{'tensors':>9}{'matrices':>10}{'parameters':>16}  names"
+    lines = [header, "-" * len(header)]
+    for spec in specs:
+        lr = config.lr if spec.algorithm == "muon" else config.adamw_rate
+        wd = config.weight_decay if spec.decay else 0.0
+        matrices = f"{spec.matrices:,}" if spec.algorithm == "muon" else "-"
+        lines.append(
+            f"{spec.name:<24}{spec.algorithm:<10}{lr:>9.2e}{wd:>6g}{len(spec.params):>9,}{matrices:>10}"
+            f"{spec.numel:>16,}  {_name_patterns(spec.names)}"
+        )
+    lines.append("-" * len(header))
+    tensors = sum(len(spec.params) for spec in specs)
+    total = sum(spec.numel for spec in specs)
+    lines.append(f"{'total':<49}{tensors:>9,}{'':>10}{total:>16,}")
+    return "\n".join(lines)
+
+
+def _name_patterns(names: list[str], limit: int = 4) -> str:
+    patterns = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in names))
+    shown = ", ".join(patterns[:limit])
+    return shown + (f", +{len(patterns) - limit} more" if len(patterns) > limit else "")
