@@ -1,24 +1,30 @@
 """Train-step throughput (forward + backward + optimizer) of zaya's model against transformers' ZAYA.
 
-Both sides get the same weights, the same batches, the same loss (next-token cross-entropy in fp32) and the
-same optimizer (torch AdamW, foreach); only the model implementation differs. Run:
+Both sides get the same weights, the same batches and the same optimizer (torch's fused AdamW); each computes
+next-token cross-entropy its own way (ours: the fused chunked LM-head loss; the peer: logits, then
+`cross_entropy` in fp32). Steps of the two sides alternate, so that drift in the machine's speed hits both
+alike, and the medians are compared. The process keeps freed memory (`zaya.device.tune_host_allocator`),
+which speeds up both sides alike. "ours, compiled" is the same model with every block `torch.compile`d
+(`train.compile = true`, bf16 only); its compilation time is reported, not counted. Run:
 
-    python benchmarks/train_step.py [--preset small] [--batch 8] [--seq 512] [--steps 3]
+    python benchmarks/train_step.py [--preset small] [--batch 8] [--seq 512] [--steps 6]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import tempfile
+import time
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 import zaya
-from common import header, ratio_line, time_it
-from zaya.device import measure_matmul_flops
+from common import header, ratio_line
+from zaya.device import measure_matmul_flops, tune_host_allocator
 from zaya.model.flops import training_flops_per_token
 
 warnings.filterwarnings("ignore")
@@ -33,14 +39,32 @@ def hf_twin(model: zaya.Zaya):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
 
 
-def train_step(forward, optimizer, batch: torch.Tensor, autocast: bool) -> None:
-    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with context:
-        logits = forward(batch[:, :-1])
-    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+class Side:
+    """One model, its optimizer and its loss; `step` runs one training step and returns its seconds."""
+
+    def __init__(self, name: str, model, loss_fn):
+        self.name, self.model, self.loss_fn = name, model, loss_fn
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        self.times: list[float] = []
+
+    def step(self, batch: torch.Tensor, autocast: bool) -> None:
+        start = time.perf_counter()
+        context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with context:
+            loss = self.loss_fn(self.model, batch)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.times.append(time.perf_counter() - start)
+
+
+def ours_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    return model.loss(batch[:, :-1], batch[:, 1:])
+
+
+def peer_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
 
 
 def main() -> None:
@@ -48,11 +72,13 @@ def main() -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per side, after 2 warm-up steps")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16 (autocast), fp32")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled variant")
     args = parser.parse_args()
 
     header(f"train step, preset {args.preset}, batch {args.batch} x {args.seq}")
+    tune_host_allocator()
     # The peer computes its LM head under autocast like every other matmul; ours does the same here.
     config = zaya.get_preset(args.preset, fp32_logits=False, temp_init=1.0)
     ours = zaya.build_model(config, seed=0).train()
@@ -61,27 +87,35 @@ def main() -> None:
     batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=generator) for _ in range(4)]
     tokens = args.batch * args.seq
     flops_per_step = training_flops_per_token(config, args.seq) * tokens
-    print(f"# model FLOPs per step: {flops_per_step / 1e9:.1f} GFLOP (zaya.model.flops convention)")
+    print(f"# model FLOPs per step: {flops_per_step / 1e9:.1f} GFLOP (zaya.model.flops convention); "
+          f"median of {args.steps} alternating steps per side")
 
     for name in args.dtypes.split(","):
         autocast = name == "bf16"
         peak = measure_matmul_flops(torch.device("cpu"), torch.bfloat16 if autocast else torch.float32)
-        results = {}
-        for side, model in (("ours", ours), ("peer", peer)):
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-            forward = model if side == "ours" else (lambda ids, m=model: m(input_ids=ids).logits)
-            state = iter(range(10**9))
-
-            def step(forward=forward, optimizer=optimizer, state=state, autocast=autocast):
-                train_step(forward, optimizer, batches[next(state) % len(batches)], autocast)
-
-            results[side] = time_it(step, repeats=args.steps, warmup=1)
-        ours_tps, peer_tps = tokens / results["ours"], tokens / results["peer"]
-        print(ratio_line(f"tokens/s, {name}{' autocast' if autocast else ''}", ours_tps, peer_tps, "tok/s"))
-        for side in ("ours", "peer"):
-            achieved = flops_per_step / results[side]
-            print(f"  {side}: {achieved / 1e9:7.1f} GFLOP/s = {achieved / peak:5.1%} of measured {name} matmul peak "
-                  f"({peak / 1e9:.0f} GFLOP/s)")
+        sides = [Side("ours", zaya.build_model(config, seed=0).train(), ours_loss), Side("peer", peer, peer_loss)]
+        if not args.no_compile and autocast:  # torch.compile traces _grouped_mm for bf16 operands only
+            compiled = zaya.build_model(config, seed=0).train()
+            for block in compiled.blocks:
+                block.compile()
+            sides.append(Side("ours, compiled", compiled, ours_loss))
+        for i in range(args.steps + 2):
+            for side in sides:
+                if side.name == "ours, compiled" and i == 0:
+                    start = time.perf_counter()
+                    side.step(batches[0], autocast)
+                    print(f"# compilation (first compiled step): {time.perf_counter() - start:.1f} s")
+                    continue
+                side.step(batches[i % len(batches)], autocast)
+        rate = {side.name: tokens / statistics.median(side.times[2:]) for side in sides}
+        label = f"{name}{' autocast' if autocast else ''}"
+        print(ratio_line(f"tokens/s, {label}", rate["ours"], rate["peer"], "tok/s"))
+        if "ours, compiled" in rate:
+            print(ratio_line(f"tokens/s, {label}, ours compiled", rate["ours, compiled"], rate["peer"], "tok/s"))
+        for side in sides:
+            achieved = flops_per_step * rate[side.name] / tokens
+            print(f"  {side.name:<15} {achieved / 1e9:7.1f} GFLOP/s = {achieved / peak:5.1%} of the measured "
+                  f"{name} matmul peak ({peak / 1e9:.0f} GFLOP/s)")
 
 
 if __name__ == "__main__":

@@ -79,6 +79,9 @@ class TrainSection:
     eval_every: int = 50  # steps between held-out evaluations; 0 disables
     eval_batches: int = 8
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    # torch.compile each block (fuses the elementwise work; costs a compilation at start, needs a C++
+    # compiler on CPUs and Triton on GPUs)
+    compile: bool = False
 
 
 @dataclass
@@ -272,6 +275,9 @@ def _validate(config: RunConfig) -> None:
     _positive(config, "train.grad_clip", train.grad_clip, allow_zero=True)
     if train.precision not in ("bf16", "fp32"):
         raise ZayaError(f"{config.source}: key 'train.precision' must be 'bf16' or 'fp32', got {train.precision!r}")
+    if train.compile and train.precision != "bf16":
+        raise ZayaError(f"{config.source}: train.compile needs train.precision = 'bf16' (compiled grouped matmuls "
+                        "take bf16 operands)")
     if train.global_batch_size % train.micro_batch_size:
         raise ZayaError(f"{config.source}: train.global_batch_size ({train.global_batch_size}) is not a multiple of "
                         f"train.micro_batch_size ({train.micro_batch_size})")

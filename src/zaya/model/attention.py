@@ -28,6 +28,8 @@ from torch import nn
 from zaya.model.config import ZayaConfig
 from zaya.model.layers import apply_rotary
 
+_SHORT_INPUT = 8  # tokens up to which the convolutions run as a direct contraction
+
 
 class AttentionCache:
     """Decode state of one attention layer, so that each new token costs O(1) projection and conv work.
@@ -137,7 +139,7 @@ class CompressedConvAttention(nn.Module):
             z_t = sum_{m=0..P} M_m p_{t-P+m} + c,   M_m = sum_{i+j=m} A_j diag(w0_i),   c = sum_j A_j b0 + b1
 
         Exact, the subtlety included: y is only ever computed from the zero-padded p, so y_{-1} = b0.
-        Returns M as [G, d, d * (P + 1)] (input channel major, tap minor) and c as [C].
+        Returns M in nn.Conv1d's grouped layout, [C, d, P + 1], and c as [C].
         """
         sources = (self.conv0_weight, self.conv0_bias, self.conv1_weight, self.conv1_bias)
         return self._remember("conv", sources, self._compose_conv)
@@ -150,9 +152,22 @@ class CompressedConvAttention(nn.Module):
             sum(A[..., j] * w0[..., m - j] for j in range(self.kernel1) if 0 <= m - j < self.kernel0)
             for m in range(self.padding + 1)
         ]
-        M = torch.stack(taps, dim=-1).reshape(G, d, d * (self.padding + 1))
+        M = torch.stack(taps, dim=-1).reshape(G * d, d, self.padding + 1)
         c = torch.einsum("goij,gi->go", A, self.conv0_bias.view(G, d)).reshape(-1) + self.conv1_bias
         return M, c
+
+    def _convolve(self, p_ext: torch.Tensor, T: int) -> torch.Tensor:
+        """z [B, T, heads, d] from the padded packed sequence p_ext [B, T + P, C] and the composed kernel."""
+        B, G, d, P = p_ext.shape[0], self.num_q_heads + self.num_kv_heads, self.head_dim, self.padding
+        M, c = self.conv_kernel()
+        M, c = M.to(p_ext.dtype), c.to(p_ext.dtype)
+        if T <= _SHORT_INPUT:
+            # a few tokens (decoding): a contraction over each window beats a convolution's setup cost
+            windows = p_ext.unfold(1, P + 1, 1).view(B, T, G, d, P + 1)
+            return torch.einsum("btgim,goim->btgo", windows, M.view(G, d, d, P + 1)) + c.view(G, d)
+        z = F.conv1d(p_ext.transpose(1, 2), M, c, groups=G)
+        # back to [B, T, heads, d] with d contiguous (the fused attention kernels need it): one converting copy
+        return z.new_empty((B, T, G * d), dtype=p_ext.dtype).copy_(z.transpose(1, 2)).view(B, T, G, d)
 
     # ---- forward ------------------------------------------------------------------------------------
 
@@ -185,9 +200,7 @@ class CompressedConvAttention(nn.Module):
         p_ext = torch.cat([past, p], dim=1)
         if cache is not None:
             cache.conv_state = p_ext[:, T:].detach()
-        M, c = self.conv_kernel()
-        windows = p_ext.unfold(1, P + 1, 1).reshape(B, T, Hq + Hk, d * (P + 1))
-        z = torch.einsum("btgx,gox->btgo", windows, M.to(dtype)).to(dtype) + c.to(dtype).view(Hq + Hk, d)
+        z = self._convolve(p_ext, T).to(dtype)
 
         # 4. add the mean-shared residuals back: q and k heads side by side, [B, T, Hq + Hk, d]
         qk = z + mu

@@ -5,7 +5,7 @@ their gradient). Instead, for each chunk of rows the logits are formed, reduced 
 straight into the gradients of the hidden states and of the embedding matrix (the Liger-style fused
 "linear + cross-entropy"), so peak memory is one chunk of logits.
 
-    loss = mean over valid rows of  logsumexp(h W^T) - (h W^T)[target]
+    loss = mean over valid rows of  -log_softmax(h W^T)[target]
     dL/dlogits = (softmax(h W^T) - onehot(target)) / n_valid
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from zaya.device import autocast_dtype
+from zaya.device import autocast_dtype, loss_chunk_logits
 
 IGNORE_INDEX = -100
 
@@ -22,6 +22,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_ND, weight_VD, targets_N, chunk_rows: int, matmul_dtype: torch.dtype):
         valid = targets_N != IGNORE_INDEX
+        all_valid = bool(valid.all())
         n_valid = valid.sum().clamp_min(1)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         h = hidden_ND.to(matmul_dtype)
@@ -31,17 +32,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = hidden_ND.new_zeros((), dtype=torch.float32)
         for start in range(0, h.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
-            logits = (h[rows] @ w.t()).float()
-            target = targets_N[rows].clamp_min(0)
-            mask = valid[rows]
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            total += ((lse - picked) * mask).sum()
+            target = targets_N[rows].clamp_min(0)[:, None]
+            logp = torch.log_softmax(h[rows] @ w.t(), dim=-1, dtype=torch.float32)  # one fused pass
+            picked = logp.gather(1, target).squeeze(1)
+            total -= picked.sum() if all_valid else (picked * valid[rows]).sum()
             if need_hidden or need_weight:
-                grad = torch.exp(logits.sub_(lse[:, None]))  # softmax, reusing the logits' memory
-                grad[torch.arange(grad.shape[0], device=grad.device), target] -= 1.0
-                grad.mul_(mask[:, None])
-                grad = grad.to(matmul_dtype)
+                # dL/dlogits = softmax - onehot, written straight in the matmul dtype
+                grad = torch.exp(logp, out=torch.empty_like(logp, dtype=matmul_dtype))
+                grad.scatter_add_(1, target, grad.new_full(target.shape, -1.0))
+                if not all_valid:
+                    grad.mul_(valid[rows, None].to(grad.dtype))
                 if need_hidden:
                     grad_hidden[rows] = grad @ w
                 if need_weight:
@@ -60,13 +60,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return out_hidden, out_weight, None, None, None
 
 
+def default_chunk_rows(vocab_size: int, device: torch.device) -> int:
+    """Rows per chunk, so that one chunk holds about `loss_chunk_logits(device)` logits."""
+    return max(16, loss_chunk_logits(device) // vocab_size)
+
+
 def linear_cross_entropy(
     hidden_ND: torch.Tensor,
     weight_VD: torch.Tensor,
     targets_N: torch.Tensor,
     *,
     fp32_logits: bool = True,
-    chunk_rows: int = 1024,
+    chunk_rows: int | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of `targets` (IGNORE_INDEX rows skipped) under logits `hidden @ weight^T`.
 
@@ -74,5 +79,6 @@ def linear_cross_entropy(
     softmax and the loss are always fp32.
     """
     dtype = torch.float32 if fp32_logits else (autocast_dtype(hidden_ND.device) or hidden_ND.dtype)
+    chunk_rows = chunk_rows or default_chunk_rows(weight_VD.shape[0], hidden_ND.device)
     with torch.autocast(hidden_ND.device.type, enabled=False):
         return _LinearCrossEntropy.apply(hidden_ND, weight_VD, targets_N, chunk_rows, dtype)

@@ -51,6 +51,13 @@ class Experts(nn.Module):
 
     def _gathered(self, x_ND: torch.Tensor, expert_N: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
         """Few tokens (decoding): each token's expert weights gathered, one batched matmul per projection."""
+        if x_ND.shape[0] == 1:
+            # one token, one expert: read its weights in place (the index is in host memory here)
+            e = int(expert_N[0])
+            x, gate_up = _autocast_operands(x_ND, self.gate_up_proj[e])
+            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e].to(x.dtype))
+            return y * weight_N[:, None].to(y.dtype)
         x = x_ND[:, :, None]
         gate_up = self.gate_up_proj.index_select(0, expert_N)
         x, gate_up = _autocast_operands(x, gate_up)

@@ -160,7 +160,7 @@ class Zaya(nn.Module):
         targets: torch.Tensor,
         *,
         router_stats: RouterStats | None = None,
-        chunk_rows: int = 1024,
+        chunk_rows: int | None = None,
     ) -> torch.Tensor:
         """Mean next-token cross-entropy of `targets` [B, T] (-100 = ignored), without materialising logits."""
         hidden = self.hidden_states(input_ids, router_stats=router_stats)

@@ -33,7 +33,7 @@ from zaya.config import RunConfig
 from zaya.data.loader import TokenLoader
 from zaya.data.ramp import BatchRamp
 from zaya.data.shards import open_dataset
-from zaya.device import peak_flops, resolve_device, synchronize
+from zaya.device import peak_flops, resolve_device, synchronize, tune_host_allocator
 from zaya.errors import ZayaError
 from zaya.model.flops import training_flops_per_token
 from zaya.model.transformer import RouterStats, Zaya
@@ -142,6 +142,7 @@ class Trainer:
                 handle.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
 
     def _build(self) -> None:
+        tune_host_allocator()
         self.dist = init_distributed(self.device)
         train = self.config.train
         if self.resume_from is not None:
@@ -160,6 +161,9 @@ class Trainer:
         self.state = TrainState()
         if self.resume_from is not None:
             self._restore(self.resume_from)
+        if train.compile:
+            for block in self.model.blocks:
+                block.compile()
         self.loader = self._loader(self.state.phase)
         if self.phases[self.state.phase].rope_theta:
             self.model.set_rope_theta(self.phases[self.state.phase].rope_theta)
