@@ -29,8 +29,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
+# The demo: build a dataset from the Python standard library, train a tiny ZAYA1-style model on it for a few
+# minutes (resuming if runs/tiny already has checkpoints), sample from it and write the run report.
+DEMO_RUN ?= runs/tiny
+DEMO_PROMPT ?= def read_config(path):
+
 demo: $(STAMP)
-	$(BIN)/python -m zaya.demo
+	@test -f data/stdlib/manifest.json || $(BIN)/zaya data build --input stdlib --out data/stdlib --val-fraction 0.02
+	$(BIN)/zaya train configs/tiny.toml --run-dir $(DEMO_RUN)
+	@echo "--- greedy continuation:"
+	@$(BIN)/zaya generate --model $(DEMO_RUN) --prompt '$(DEMO_PROMPT)' --max-new-tokens 60 --greedy
+	@echo "--- sampled continuation (temperature 0.8, top-p 0.95):"
+	@$(BIN)/zaya generate --model $(DEMO_RUN) --prompt '$(DEMO_PROMPT)' --max-new-tokens 60 \
+		--temperature 0.8 --top-p 0.95 --seed 0
+	$(BIN)/zaya eval --model $(DEMO_RUN) --data data/stdlib --seq-len 256
+	$(BIN)/zaya report $(DEMO_RUN)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

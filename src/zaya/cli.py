@@ -181,7 +181,11 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, a
     from zaya.train.trainer import Trainer
 
     run_dir = run_dir or Path("runs") / config_path.stem
-    last = Trainer(config, run_dir, allow_data_change=allow_data_change).run()
+    trainer = Trainer(config, run_dir, allow_data_change=allow_data_change)
+    last = trainer.run()
+    if not last:
+        click.echo(f"nothing to do: {run_dir} is already at step {trainer.state.step} of {config.train.max_steps}")
+        return
     summary = {k: last[k] for k in ("step", "loss", "eval_loss", "tokens") if k in last}
     click.echo(f"done: {json.dumps(summary)}; run directory {run_dir}")
 

@@ -100,7 +100,7 @@ def make_report(run_dir: str | Path) -> Path:
     figures = ["loss.png", "schedule.png", "throughput.png"]
     if _heatmap(out / "expert_load.png", train):
         figures.append("expert_load.png")
-    config_path = run_dir / "config.json"
+    config_path = run_dir / "run_config.json"
     config_text = config_path.read_text(encoding="utf-8") if config_path.is_file() else "{}"
     last = train[-1] if train else {}
     summary = {

@@ -43,7 +43,7 @@ from zaya.train import checkpoint as ckpt
 from zaya.train.balance import BalanceController, load_imbalance
 from zaya.train.metrics import MetricsLogger
 
-CONFIG_FILE = "config.json"
+CONFIG_FILE = "run_config.json"  # not config.json: that name marks a Hugging Face directory
 LOG_FILE = "train.log"
 
 
