@@ -82,6 +82,9 @@ class TrainSection:
     # torch.compile each block (fuses the elementwise work; costs a compilation at start, needs a C++
     # compiler on CPUs and Triton on GPUs)
     compile: bool = False
+    # every process group's timeout: generous, so that network blips do not kill a long job (the
+    # supervisor's heartbeats catch real hangs much sooner)
+    collective_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -273,6 +276,7 @@ def _validate(config: RunConfig) -> None:
         _positive(config, f"train.{key}", getattr(train, key))
     _positive(config, "train.eval_every", train.eval_every, allow_zero=True)
     _positive(config, "train.grad_clip", train.grad_clip, allow_zero=True)
+    _positive(config, "train.collective_timeout_s", train.collective_timeout_s)
     if train.precision not in ("bf16", "fp32"):
         raise ZayaError(f"{config.source}: key 'train.precision' must be 'bf16' or 'fp32', got {train.precision!r}")
     if train.compile and train.precision != "bf16":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -71,17 +72,26 @@ class Distributed:
         return self.rank == 0
 
 
-def init_distributed(device: torch.device) -> Distributed:
-    """Join the torchrun worker group if launched by torchrun (WORLD_SIZE > 1), else a single process."""
+def init_distributed(device: torch.device, timeout_s: float) -> Distributed:
+    """Join the torchrun worker group if launched by torchrun (WORLD_SIZE > 1), else a single process.
+
+    Every process group gets `timeout_s`, long enough that a network blip does not kill the job. The store
+    keys are prefixed by torchrun's restart count: after a restart the store still holds the previous
+    attempt's keys."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return Distributed()
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        backend = "gloo" if device.type == "cpu" else None
-        # a restarted group needs fresh store keys: torchrun counts restarts for us
+        rank = int(os.environ["RANK"])
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=rank == 0 and not agent_store, timeout=timeout)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend=backend, group_name=f"zaya-{restart}")
-    control = dist.new_group(backend="gloo")
+        backend = "gloo" if device.type == "cpu" else None
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"zaya/restart-{restart}", store),
+                                rank=rank, world_size=world_size, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
     return Distributed(rank=dist.get_rank(), world_size=dist.get_world_size(), control_group=control)
 
 
@@ -109,7 +119,9 @@ class Trainer:
                 dataset.check_vocab(self.model_config.vocab_size)
         ramp = self.ramp()
         ramp.check_divisible(train.micro_batch_size, "train.micro_batch_size")
-        manager = ckpt.CheckpointManager(self.checkpoint_dir, keep=self.config.checkpoint.keep)
+        # before the process group exists: under torchrun the rank is in the environment
+        rank = int(os.environ.get("RANK", "0"))
+        manager = ckpt.CheckpointManager(self.checkpoint_dir, keep=self.config.checkpoint.keep, rank=rank)
         self.resume_from = manager.newest_valid(log=self._say) if self.checkpoint_dir.is_dir() else None
         if self.resume_from is not None:
             saved = ckpt.read_json(self.resume_from / ckpt.TRAIN_STATE_FILE)["state"]
@@ -142,9 +154,9 @@ class Trainer:
                 handle.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
 
     def _build(self) -> None:
-        tune_host_allocator()
-        self.dist = init_distributed(self.device)
         train = self.config.train
+        tune_host_allocator()
+        self.dist = init_distributed(self.device, train.collective_timeout_s)
         if self.resume_from is not None:
             warm = threading.Thread(target=ckpt.prewarm, args=(self.resume_from,), daemon=True)
             warm.start()  # the page cache fills while the model is being built
@@ -311,16 +323,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Held-out loss over the first `eval_batches` batches of the val split of the current phase."""
+        """Held-out loss over the first `eval_batches` global batches (of `global_batch_size` windows) of the
+        current phase's val split: the same windows whatever the number of ranks."""
         train = self.config.train
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         batches = 0
-        for batch in self.loader.iter_eval_batches(train.micro_batch_size * self.dist.world_size,
-                                                   max_batches=train.eval_batches):
+        for batch in self.loader.iter_eval_batches(train.global_batch_size, max_batches=train.eval_batches):
             batch = batch.to(self.device)
-            with self._autocast():
-                total += self.model.loss(batch[:, :-1], batch[:, 1:]).double()
+            for start in range(0, batch.shape[0], train.micro_batch_size):
+                micro = batch[start:start + train.micro_batch_size]
+                with self._autocast():
+                    loss = self.model.loss(micro[:, :-1], micro[:, 1:]).double()
+                total += loss * (micro.shape[0] / batch.shape[0])
             batches += 1
         if self.dist.world_size > 1:
             dist.all_reduce(total)
