@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 from tokenizers import Tokenizer
 
+from common import header
 from zaya.data.build import BuildOptions, build_dataset, default_workers
 from zaya.data.corpus import ReadOptions, discover, read_piece, split_file
 
@@ -44,6 +45,7 @@ def _texts(inputs: tuple[str, ...]) -> list[str]:
 @click.option("--vocab-size", type=int, default=8192, show_default=True)
 def main(inputs: tuple[str, ...], repeats: int, vocab_size: int) -> None:
     """Measure build throughput against the bare batch encoder."""
+    header("data build throughput")
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         started = time.perf_counter()

@@ -23,6 +23,7 @@ import click
 import numpy as np
 import torch
 
+from common import header
 from zaya.data.loader import TokenLoader
 from zaya.data.shards import Dataset, DatasetWriter, open_dataset, token_dtype
 from zaya.data.tokenizer import describe, tokenizer_bytes, train_bpe
@@ -73,6 +74,7 @@ def _loader(dataset: Dataset, batches: int, seed: int) -> float:
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 def main(tokens: int, batches: int, repeats: int) -> None:
     """Measure loader throughput against a sequential memory-map read."""
+    header("data loader throughput")
     batches = min(batches, tokens // (BATCH * (SEQ_LEN + 1)))
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "synthetic"

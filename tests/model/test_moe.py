@@ -28,16 +28,18 @@ def _reference(experts, x, expert, weight):
 
 
 @pytest.mark.parametrize("grouped", [True, False] if HAS_GROUPED_MM else [False])
-@pytest.mark.parametrize("pattern", ["random", "one_expert", "some_empty", "few_tokens"])
+@pytest.mark.parametrize("pattern", ["random", "one_expert", "some_empty", "few_tokens", "one_token"])
 def test_dispatch_matches_per_expert_reference(grouped, pattern):
     experts = _experts()
     experts.use_grouped_mm = grouped
-    N = 3 if pattern == "few_tokens" else 37  # fewer tokens than experts: the gathered (decoding) path on CPU
+    # fewer tokens than experts take the decoding paths on the CPU (gathered weights; one token: in place)
+    N = {"few_tokens": 3, "one_token": 1}.get(pattern, 37)
     expert = {
         "random": torch.randint(0, 4, (N,)),
         "one_expert": torch.full((N,), 2),
         "some_empty": torch.randint(0, 2, (N,)) * 3,
         "few_tokens": torch.tensor([3, 0, 3]),
+        "one_token": torch.tensor([2]),
     }[pattern]
     x = torch.randn(N, 128, requires_grad=True)
     weight = torch.rand(N, requires_grad=True)

@@ -161,27 +161,24 @@ def verify_checkpoint(directory: Path) -> None:
 
 def prewarm(directory: Path) -> None:
     """Ask the kernel to read the checkpoint's files into the page cache ahead of the load (WILLNEED)."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for path in Path(directory).iterdir():
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
+    _advise(directory, "POSIX_FADV_WILLNEED")
 
 
 def drop_from_page_cache(directory: Path) -> None:
-    """The opposite of `prewarm` (DONTNEED), for measuring a cold restart."""
-    if not hasattr(os, "posix_fadvise"):
+    """The opposite of `prewarm` (DONTNEED, after flushing), for measuring a cold restart."""
+    _advise(directory, "POSIX_FADV_DONTNEED", flush=True)
+
+
+def _advise(directory: Path, advice: str, flush: bool = False) -> None:
+    if not hasattr(os, "posix_fadvise"):  # not on every platform; the hint is only an optimisation
         return
     for path in Path(directory).iterdir():
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
             try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                if flush:
+                    os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, getattr(os, advice))
             finally:
                 os.close(fd)
 
