@@ -63,13 +63,6 @@ class AttentionCache:
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep only the batch rows `index` (beam search, dropping finished sequences)."""
-        for name in ("keys", "values", "conv_state", "value_state"):
-            tensor = getattr(self, name)
-            if tensor is not None:
-                setattr(self, name, tensor.index_select(0, index))
-
 
 class DecodeCache:
     """The decode state of a whole model: one `AttentionCache` per block (MoE layers need none)."""
@@ -81,10 +74,6 @@ class DecodeCache:
     def length(self) -> int:
         """Tokens seen so far (the position of the next token)."""
         return self.layers[0].length
-
-    def reorder(self, index: torch.Tensor) -> None:
-        for layer in self.layers:
-            layer.reorder(index)
 
 
 class CompressedConvAttention(nn.Module):

@@ -34,7 +34,7 @@ from zaya.config import RunConfig
 from zaya.data.loader import TokenLoader
 from zaya.data.ramp import BatchRamp
 from zaya.data.shards import open_dataset
-from zaya.device import peak_flops, resolve_device, synchronize, tune_host_allocator
+from zaya.device import peak_flops, resolve_device, synchronize, tune_host_allocator, vendor
 from zaya.errors import ZayaError
 from zaya.model.flops import training_flops_per_token
 from zaya.model.transformer import RouterStats, Zaya
@@ -113,10 +113,12 @@ class Trainer:
 
     def _check_inputs(self) -> None:
         train = self.config.train
+        fingerprints = {}
         for phase in self.phases:
-            for source in phase.sources:
-                dataset = open_dataset(source.path)  # a clear error if missing or not a dataset
+            datasets = [open_dataset(source.path) for source in phase.sources]  # clear errors if missing
+            for dataset in datasets:
                 dataset.check_vocab(self.model_config.vocab_size)
+            fingerprints[phase.name] = [dataset.fingerprint for dataset in datasets]
         ramp = self.ramp()
         ramp.check_divisible(train.micro_batch_size, "train.micro_batch_size")
         # before the process group exists: under torchrun the rank is in the environment
@@ -125,10 +127,9 @@ class Trainer:
         self.resume_from = manager.newest_valid(log=self._say) if self.checkpoint_dir.is_dir() else None
         if self.resume_from is not None:
             saved = ckpt.read_json(self.resume_from / ckpt.TRAIN_STATE_FILE)["state"]
-            fingerprints = saved.get("fingerprints", {})
             for phase in self.phases:
-                now = [open_dataset(s.path).fingerprint for s in phase.sources]
-                before = fingerprints.get(phase.name)
+                now = fingerprints[phase.name]
+                before = saved.get("fingerprints", {}).get(phase.name)
                 if before is not None and before != now and not self.allow_data_change:
                     raise ZayaError(
                         f"{self.resume_from}: phase '{phase.name}' was trained on data {before[0][:12]}..., but "
@@ -357,7 +358,8 @@ class Trainer:
                                      enabled=self.dist.is_main)
         if self.state.step == 0:
             self._say("parameter groups:\n" + describe_param_groups(self.model, self.config.optim))
-        self._say(f"training on {self.device} ({self.dist.world_size} process(es)), {train.precision}; "
+        self._say(f"training on {self.device} ({vendor(self.device)}, {self.dist.world_size} process(es)), "
+                  f"{train.precision}; "
                   f"peak {self.peak / 1e12:.2f} TFLOP/s ({self.peak_source})")
         self.model.train()
         last: dict = {}
