@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -126,9 +127,7 @@ def main() -> None:
             # roll the run back so that the next restart resumes from the same checkpoint
             for extra in trainer.manager.committed():
                 if extra.name > newest.name:
-                    for path in extra.iterdir():
-                        path.unlink()
-                    extra.rmdir()
+                    shutil.rmtree(extra)
             (root / "run" / "checkpoints" / "latest").write_text(newest.name + "\n")
 
 

@@ -75,24 +75,26 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.register_buffer("inv_freq", self._inv_freq(rotary_dim, base), persistent=False)
-        half = rotary_dim // 2
-        partner = torch.arange(head_dim)
-        partner[:half] += half
-        partner[half:rotary_dim] -= half
-        self.register_buffer("partner", partner, persistent=False)
+        self.register_buffer("partner", self._partner(head_dim, rotary_dim), persistent=False)
 
     @staticmethod
     def _inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
         return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
 
-    def set_base(self, base: float) -> None:
-        """Change the RoPE base in place (context extension phases raise it, e.g. 1e4 -> 1e6)."""
-        self.inv_freq.copy_(self._inv_freq(self.rotary_dim, base).to(self.inv_freq.device))
-        half = self.rotary_dim // 2
-        partner = torch.arange(self.head_dim, device=self.partner.device)
+    @staticmethod
+    def _partner(head_dim: int, rotary_dim: int) -> torch.Tensor:
+        """Index of each dim's rotation partner: i <-> i + r/2 inside the rotary dims, itself outside."""
+        half = rotary_dim // 2
+        partner = torch.arange(head_dim)
         partner[:half] += half
-        partner[half : self.rotary_dim] -= half
-        self.partner.copy_(partner)
+        partner[half:rotary_dim] -= half
+        return partner
+
+    def set_base(self, base: float) -> None:
+        """Change the RoPE base in place (context extension phases raise it, e.g. 1e4 -> 1e6). Also restores
+        the partner index: both buffers are non-persistent, so a model materialised from meta needs them."""
+        self.inv_freq.copy_(self._inv_freq(self.rotary_dim, base).to(self.inv_freq.device))
+        self.partner.copy_(self._partner(self.head_dim, self.rotary_dim).to(self.partner.device))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin tables [T, head_dim] (fp32) for integer positions [T]."""

@@ -41,8 +41,10 @@ from zaya.optim.muon import (
     NS_EPS,
     NS_STEPS,
     Workspace,
+    dtype_name,
     muon_defaults,
     muon_step,
+    run_closure,
     validate_muon_group,
 )
 
@@ -278,7 +280,7 @@ class MuonAdamW(Optimizer):
         for key, value in defaults.items():
             param_group.setdefault(key, value)
         if algorithm == "muon":
-            param_group["ns_dtype"] = muon_defaults(ns_dtype=param_group["ns_dtype"])["ns_dtype"]
+            param_group["ns_dtype"] = dtype_name(param_group["ns_dtype"])
         param_group.setdefault("initial_lr", param_group["lr"])
         param_group.setdefault("name", algorithm)
         super().add_param_group(param_group)
@@ -292,10 +294,7 @@ class MuonAdamW(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step of every group; returns the closure's loss, if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         muon_step([g for g in self.param_groups if g["algorithm"] == "muon"], self.state, self._workspace)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":

@@ -492,7 +492,7 @@ def muon_defaults(
         "eps": eps,
         "ns_steps": ns_steps,
         "adjust_lr_fn": adjust_lr_fn,
-        "ns_dtype": _dtype_name(ns_dtype),
+        "ns_dtype": dtype_name(ns_dtype),
         "ns_backend": ns_backend,
     }
 
@@ -558,17 +558,14 @@ class Muon(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if "ns_dtype" in param_group:
-            param_group["ns_dtype"] = _dtype_name(param_group["ns_dtype"])
+            param_group["ns_dtype"] = dtype_name(param_group["ns_dtype"])
         super().add_param_group(param_group)
         validate_muon_group(self.param_groups[-1])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Muon step for every parameter that has a gradient; returns the closure's loss, if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         muon_step(self.param_groups, self.state, self._workspace)
         return loss
 
@@ -679,7 +676,16 @@ def _as_param(update: Tensor, param: Tensor) -> Tensor:
     return distribute_tensor(update, param.device_mesh, param.placements, src_data_rank=None)
 
 
-def _dtype_name(dtype: torch.dtype | str) -> str:
+def run_closure(closure: Callable[[], Any] | None) -> Any:
+    """The loss of an optimizer's closure (re-evaluated with gradients enabled), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The name under which a param group stores its Newton-Schulz dtype ("bfloat16" or "float32")."""
     if isinstance(dtype, torch.dtype):
         for name, value in NS_DTYPES.items():
             if value == dtype:
