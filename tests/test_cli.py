@@ -36,6 +36,9 @@ def test_generate_prints_ids_matching_the_api(cli, hf_dir):
     assert code == 0
     expected = generate(model, torch.tensor([[5, 17, 3]]), 9)[0].tolist()
     assert out.strip() == ",".join(map(str, expected))
+    code, compiled, _ = cli("generate", "--model", path, "--prompt-ids", "5,17,3", "--max-new-tokens", "9",
+                            "--output", "ids", "--no-stop-at-eos", "--compile")
+    assert code == 0 and compiled == out
 
 
 def test_generate_sampling_is_seeded(cli, hf_dir):

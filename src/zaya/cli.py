@@ -86,12 +86,15 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the accelerator if any).")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None, help="Default: as stored.")
 @click.option("--stop-at-eos/--no-stop-at-eos", default=True, show_default=True)
+@click.option("--compile", "compile_", is_flag=True,
+              help="Compile the decode step into one graph first (10-20 s once; pays off for long outputs).")
 def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature, top_p, seed, output, tokenizer,
-             device, dtype, stop_at_eos) -> None:
+             device, dtype, stop_at_eos, compile_) -> None:
     """Continue a prompt with a model."""
     from zaya.api import load_model, resolve_model_dir
     from zaya.infer.generate import Sampling, check_prompt
     from zaya.infer.generate import generate as run_generate
+    from zaya.infer.static import CompiledDecoder
     from zaya.infer.tokenizer import find_tokenizer, load_tokenizer
 
     if (prompt is None) == (prompt_ids is None):
@@ -115,8 +118,9 @@ def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature
     check_prompt(ids_tensor, model.config.vocab_size)
 
     eos = model.config.eos_token_id if stop_at_eos else None
+    decoder = CompiledDecoder(model) if compile_ else None
     if output == "ids" or tok is None:
-        new = run_generate(model, ids_tensor, max_new_tokens, sampling, eos_token_id=eos)
+        new = run_generate(model, ids_tensor, max_new_tokens, sampling, eos_token_id=eos, decoder=decoder)
         click.echo(",".join(str(i) for i in new[0].tolist()))
         return
     # stream text as it is produced, decoding the whole continuation so multi-byte tokens come out right
@@ -133,7 +137,7 @@ def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature
 
     if prompt is not None:
         click.echo(prompt, nl=False)
-    run_generate(model, ids_tensor, max_new_tokens, sampling, eos_token_id=eos, on_token=show)
+    run_generate(model, ids_tensor, max_new_tokens, sampling, eos_token_id=eos, on_token=show, decoder=decoder)
     click.echo(tok.decode(produced)[len(shown):])
 
 

@@ -6,12 +6,14 @@ convolution/value-shift states, so the work per token besides attention itself i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from zaya.errors import ZayaError
+from zaya.infer.static import CompiledDecoder, StaticCache, round_capacity
 from zaya.model.transformer import Zaya
 
 
@@ -64,15 +66,20 @@ def generate(
     *,
     eos_token_id: int | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
+    decoder: CompiledDecoder | None = None,
 ) -> torch.Tensor:
     """Continue each row of `prompt_ids` [B, T] by up to `max_new_tokens` tokens; returns [B, n].
 
     Generation stops early once every row has produced `eos_token_id` (later positions of finished rows
-    repeat it). `on_token` receives each step's new tokens [B] as they are produced.
+    repeat it). `on_token` receives each step's new tokens [B] as they are produced. With a `decoder` (a
+    `CompiledDecoder` of this model) the steps after the prompt run as one compiled graph each, on a cache of
+    fixed capacity; the tokens are the same.
     """
     sampling = sampling or Sampling()
     if max_new_tokens < 0:
         raise ZayaError(f"max-new-tokens must be >= 0, got {max_new_tokens}")
+    if decoder is not None and decoder.model is not model:
+        raise ZayaError("the compiled decoder belongs to another model")
     device = model.embed.weight.device
     prompt_ids = prompt_ids.to(device)
     check_prompt(prompt_ids, model.config.vocab_size)
@@ -83,19 +90,34 @@ def generate(
     cache = model.new_cache()
     hidden = model.hidden_states(prompt_ids, cache)
     logits = model.logits(hidden[:, -1])
+    if decoder is None:
+        def step(token: torch.Tensor) -> torch.Tensor:
+            return model.logits(model.hidden_states(token[:, None], cache)[:, -1])
+        trusted = contextlib.nullcontext()
+    else:
+        static = StaticCache.from_cache(cache, round_capacity(prompt_ids.shape[1] + max_new_tokens))
+        position = torch.tensor(prompt_ids.shape[1], device=device)
+
+        def step(token: torch.Tensor) -> torch.Tensor:
+            logits = decoder(token, position, static)
+            position.add_(1)
+            return logits
+        trusted = decoder.trusted()
+
     finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=device)
     out = []
-    for step in range(max_new_tokens):
-        token = next_token(logits, sampling, generator)
-        if eos_token_id is not None:
-            token = token.masked_fill(finished, eos_token_id)
-            finished |= token == eos_token_id
-        out.append(token)
-        if on_token is not None:
-            on_token(token)
-        if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
-            break
-        logits = model.logits(model.hidden_states(token[:, None], cache)[:, -1])
+    with trusted:
+        for i in range(max_new_tokens):
+            token = next_token(logits, sampling, generator)
+            if eos_token_id is not None:
+                token = token.masked_fill(finished, eos_token_id)
+                finished |= token == eos_token_id
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            if i == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
+                break
+            logits = step(token)
     if not out:
         return prompt_ids.new_zeros(prompt_ids.shape[0], 0)
     return torch.stack(out, dim=1)

@@ -108,8 +108,8 @@ class CompressedConvAttention(nn.Module):
 
     def _remember(self, name: str, sources: tuple[torch.Tensor, ...], build) -> torch.Tensor:
         """`build()`, reused across calls while no source tensor changed and no gradient is wanted (decoding)."""
-        if torch.is_grad_enabled() and any(t.requires_grad for t in sources):
-            return build()
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in sources)):
+            return build()  # a compiled graph holds (or constant-folds) the result itself
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
         cached = self._memo.get(name)
         if cached is None or cached[0] != key:
@@ -160,13 +160,18 @@ class CompressedConvAttention(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------------
 
-    def forward(
+    def project(
         self,
         x_BTD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        cache: AttentionCache | None = None,
-    ) -> torch.Tensor:
-        """`rope` is (cos, sin, partner) from `RotaryEmbedding` for the positions of x's tokens."""
+        conv_past: torch.Tensor | None = None,
+        value_past: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps 1-7 for T new tokens, after `conv_past` (the last P packed vectors p, [B, P, C]) and
+        `value_past` (the last W_vdel x, [B, 1, n_k d / 2]); None means the sequence starts here.
+
+        Returns q [B, n_q, T, d], k and v [B, n_k, T, d], and the two states after these tokens.
+        """
         B, T, _ = x_BTD.shape
         Hq, Hk, d, g, P = self.num_q_heads, self.num_kv_heads, self.head_dim, self.group_size, self.padding
         Q, K = Hq * d, Hk * d
@@ -182,25 +187,15 @@ class CompressedConvAttention(nn.Module):
         mu = torch.cat([mu_q.reshape(B, T, Hq, d), mu_q.mean(dim=3)], dim=2)
 
         # 3. the causal convolutions over p_t = [q~_t | k~_t]; their state is the last P vectors of p
-        if cache is not None and cache.conv_state is not None:
-            past = cache.conv_state.to(dtype)
-        else:
-            past = p.new_zeros(B, P, Q + K)
+        past = p.new_zeros(B, P, Q + K) if conv_past is None else conv_past.to(dtype)
         p_ext = torch.cat([past, p], dim=1)
-        if cache is not None:
-            cache.conv_state = p_ext[:, T:].detach()
         z = self._convolve(p_ext, T).to(dtype)
 
         # 4. add the mean-shared residuals back: q and k heads side by side, [B, T, Hq + Hk, d]
         qk = z + mu
 
         # 5. value shift: KV heads 0..Hk/2-1 read the current token, the rest the previous one
-        if cache is not None and cache.value_state is not None:
-            v_prev = cache.value_state.to(dtype)
-        else:
-            v_prev = v_del_now.new_zeros(B, 1, K // 2)
-        if cache is not None:
-            cache.value_state = v_del_now[:, -1:].detach()
+        v_prev = v_del_now.new_zeros(B, 1, K // 2) if value_past is None else value_past.to(dtype)
         v = torch.cat([v_cur, torch.cat([v_prev, v_del_now[:, :-1]], dim=1)], dim=-1).view(B, T, Hk, d)
 
         # 6. L2 normalisation to length sqrt(d), then the key temperature (queries: 1)
@@ -210,16 +205,26 @@ class CompressedConvAttention(nn.Module):
 
         # 7. partial RoPE at absolute positions
         qk = apply_rotary(qk, *rope).transpose(1, 2)
-        q, k = qk[:, :Hq], qk[:, Hq:]
-        v = v.transpose(1, 2)
+        return qk[:, :Hq], qk[:, Hq:], v.transpose(1, 2), p_ext[:, T:], v_del_now[:, -1:]
 
-        # 8. grouped-query causal attention over the cache
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        cache: AttentionCache | None = None,
+    ) -> torch.Tensor:
+        """`rope` is (cos, sin, partner) from `RotaryEmbedding` for the positions of x's tokens."""
+        B, T, _ = x_BTD.shape
+        conv_past, value_past = (cache.conv_state, cache.value_state) if cache is not None else (None, None)
+        q, k, v, conv_state, value_state = self.project(x_BTD, rope, conv_past, value_past)
         past_len = 0
         if cache is not None:
+            cache.conv_state, cache.value_state = conv_state.detach(), value_state.detach()
             past_len = cache.length
             k, v = cache.append(k, v)
+        # 8. grouped-query causal attention (over the cache when decoding), then W_o
         out = _causal_attention(q, k, v, past_len)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, Q))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int) -> torch.Tensor:

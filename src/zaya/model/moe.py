@@ -36,7 +36,9 @@ class Experts(nn.Module):
     def forward(self, x_ND: torch.Tensor, expert_N: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
         """sum over tokens of weight * Expert_{expert}(x); `expert` must lie in 0..E-1."""
         if x_ND.shape[0] < self.num_experts and grouped_mm_pays_for_empty_groups(x_ND.device):
-            return self._gathered(x_ND, expert_N, weight_N)
+            if x_ND.shape[0] == 1:
+                return self._single(x_ND, expert_N, weight_N)
+            return self.gathered(x_ND, expert_N, weight_N)
         order = torch.argsort(expert_N, stable=True)
         counts = torch.bincount(expert_N, minlength=self.num_experts)
         # cast before permuting: under autocast the experts run in bf16, and half the bytes move
@@ -48,22 +50,23 @@ class Experts(nn.Module):
         y_sorted = y_sorted * weight_N[order, None].to(y_sorted.dtype)
         return _permute_rows(y_sorted, torch.argsort(order))
 
-
-    def _gathered(self, x_ND: torch.Tensor, expert_N: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
-        """Few tokens (decoding): each token's expert weights gathered, one batched matmul per projection."""
-        if x_ND.shape[0] == 1:
-            # one token, one expert: read its weights in place (the index is in host memory here)
-            e = int(expert_N[0])
-            x, gate_up = _autocast_operands(x_ND, self.gate_up_proj[e])
-            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e].to(x.dtype))
-            return y * weight_N[:, None].to(y.dtype)
+    def gathered(self, x_ND: torch.Tensor, expert_N: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
+        """The same sum for few tokens (decoding): each token's expert weights gathered, one batched matmul per
+        projection, and no host sync (the compiled decode step uses it as it is)."""
         x = x_ND[:, :, None]
         gate_up = self.gate_up_proj.index_select(0, expert_N)
         x, gate_up = _autocast_operands(x, gate_up)
         gate, up = torch.bmm(gate_up, x).chunk(2, dim=1)
         down = self.down_proj.index_select(0, expert_N).to(x.dtype)
         y = torch.bmm(down, F.silu(gate) * up).squeeze(-1)
+        return y * weight_N[:, None].to(y.dtype)
+
+    def _single(self, x_ND: torch.Tensor, expert_N: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
+        """One token, one expert: its weights read in place (the index is in host memory on the CPU)."""
+        e = int(expert_N[0])
+        x, gate_up = _autocast_operands(x_ND, self.gate_up_proj[e])
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, self.down_proj[e].to(x.dtype))
         return y * weight_N[:, None].to(y.dtype)
 
 
@@ -78,8 +81,9 @@ class ZayaMoE(nn.Module):
         self.experts = Experts(config)
 
     def forward(
-        self, x_BTD: torch.Tensor, prev_router_state: torch.Tensor | None
+        self, x_BTD: torch.Tensor, prev_router_state: torch.Tensor | None, *, gathered: bool = False
     ) -> tuple[torch.Tensor, Routing]:
+        """MoE output [B, T, D] and the routing; `gathered` always takes `Experts.gathered` (decoding)."""
         B, T, D = x_BTD.shape
         x = x_BTD.reshape(B * T, D)
         routing = self.router(x, prev_router_state)
@@ -88,7 +92,7 @@ class ZayaMoE(nn.Module):
         # and the skip route is (by its bias of -1) practically never taken.
         expert = routing.route.clamp(max=self.num_experts - 1)
         weight = routing.gate.masked_fill(skipped, 0.0)
-        out = self.experts(x, expert, weight)
+        out = self.experts.gathered(x, expert, weight) if gathered else self.experts(x, expert, weight)
         if self.skip_identity:
             out = out + ((routing.gate * skipped)[:, None] * x).to(out.dtype)
         return out.view(B, T, D), routing
