@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,9 +69,16 @@ def round_capacity(length: int) -> int:
     return -(-length // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
 
 
-def decode_step(model: Zaya, token_B: torch.Tensor, position: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+def decode_step(
+    model: Zaya,
+    token_B: torch.Tensor,
+    position: torch.Tensor,
+    cache: StaticCache,
+    weights: Sequence[tuple[torch.Tensor, ...]] | None = None,
+) -> torch.Tensor:
     """Logits [B, V] of the token after `token_B` [B], which sits at `position` (a 0-d int64 tensor, the
-    same for every row); writes its keys, values and states into `cache`."""
+    same for every row); writes its keys, values and states into `cache`. `weights` holds each block's
+    `attn.derived_weights()` (else they are derived here, every step)."""
     index = position.reshape(1)
     rope = (*model.rotary(index), model.rotary.partner)
     visible = (torch.arange(cache.capacity, device=index.device) <= index)[None, :]  # [1, S]
@@ -78,7 +86,8 @@ def decode_step(model: Zaya, token_B: torch.Tensor, position: torch.Tensor, cach
     router_state = None
     for i, block in enumerate(model.blocks):
         attn = block.attn
-        q, k, v, conv, shift = attn.project(block.attn_norm(h), rope, cache.conv[i], cache.shift[i])
+        derived = weights[i] if weights is not None else None
+        q, k, v, conv, shift = attn.project(block.attn_norm(h), rope, cache.conv[i], cache.shift[i], derived)
         cache.conv[i].copy_(conv)
         cache.shift[i].copy_(shift)
         cache.keys[i].index_copy_(2, index, k.to(cache.keys[i].dtype))
@@ -99,8 +108,8 @@ class _Step(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, token_B, position, keys, values, conv, shift):
-        return decode_step(self.model, token_B, position, StaticCache(keys, values, conv, shift))
+    def forward(self, token_B, position, keys, values, conv, shift, weights):
+        return decode_step(self.model, token_B, position, StaticCache(keys, values, conv, shift), weights)
 
 
 class CompiledDecoder:
@@ -114,17 +123,21 @@ class CompiledDecoder:
         self.model = model
         self._step = torch.compile(_Step(model), dynamic=False, fullgraph=True, options={"cpp_wrapper": True})
         self._compiled: set[tuple] = set()
-        self._last: tuple[weakref.ref, tuple] | None = None  # (cache, its shape key): the key is not free
+        self._last: tuple[weakref.ref, tuple, list] | None = None  # (cache, shape key, derived weights)
 
     def __call__(self, token_B: torch.Tensor, position: torch.Tensor, cache: StaticCache) -> torch.Tensor:
         """The logits [B, V] of `decode_step`."""
         if self._last is None or self._last[0]() is not cache:
-            self._last = (weakref.ref(cache), self._shape_key(cache))
+            # a new generation: derive the attention weights once for all its steps (a compiled step would
+            # otherwise rebuild them every time), and the shape key, which is not free either
+            weights = [block.attn.derived_weights() for block in self.model.blocks]
+            self._last = (weakref.ref(cache), self._shape_key(cache), weights)
+        _, shape_key, weights = self._last
         key = (
-            self._last[1], tuple(token_B.shape), token_B.dtype, token_B.device, position.shape, position.dtype,
+            shape_key, tuple(token_B.shape), token_B.dtype, token_B.device, position.shape, position.dtype,
             torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled(token_B.device.type),
         )
-        args = (token_B, position, cache.keys, cache.values, cache.conv, cache.shift)
+        args = (token_B, position, cache.keys, cache.values, cache.conv, cache.shift, weights)
         if key in self._compiled:
             return self._step(*args)
         try:

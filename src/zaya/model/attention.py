@@ -145,10 +145,14 @@ class CompressedConvAttention(nn.Module):
         c = torch.einsum("goij,gi->go", A, self.conv0_bias.view(G, d)).reshape(-1) + self.conv1_bias
         return M, c
 
-    def _convolve(self, p_ext: torch.Tensor, T: int) -> torch.Tensor:
+    def derived_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(`input_weight()`, *`conv_kernel()`): what the forward pass multiplies by, for a caller that holds
+        them across calls (the compiled decode step, which cannot use the memo)."""
+        return (self.input_weight(), *self.conv_kernel())
+
+    def _convolve(self, p_ext: torch.Tensor, T: int, M: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """z [B, T, heads, d] from the padded packed sequence p_ext [B, T + P, C] and the composed kernel."""
         B, G, d, P = p_ext.shape[0], self.num_q_heads + self.num_kv_heads, self.head_dim, self.padding
-        M, c = self.conv_kernel()
         M, c = M.to(p_ext.dtype), c.to(p_ext.dtype)
         if T <= _SHORT_INPUT:
             # a few tokens (decoding): a contraction over each window beats a convolution's setup cost
@@ -166,9 +170,11 @@ class CompressedConvAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         conv_past: torch.Tensor | None = None,
         value_past: torch.Tensor | None = None,
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Steps 1-7 for T new tokens, after `conv_past` (the last P packed vectors p, [B, P, C]) and
         `value_past` (the last W_vdel x, [B, 1, n_k d / 2]); None means the sequence starts here.
+        `weights` are `derived_weights()`, when the caller has them.
 
         Returns q [B, n_q, T, d], k and v [B, n_k, T, d], and the two states after these tokens.
         """
@@ -178,9 +184,10 @@ class CompressedConvAttention(nn.Module):
         # Elementwise math runs in the parameters' dtype (fp32 masters under autocast, bf16 for a bf16 model);
         # only the matmuls drop to the autocast dtype.
         dtype = self.temp.dtype
+        W_in, M, c = weights if weights is not None else self.derived_weights()
 
         # 1. compressed projections (and both value projections) as one matmul
-        p, v_cur, v_del_now = F.linear(x_BTD, self.input_weight()).to(dtype).split([Q + K, K // 2, K // 2], dim=-1)
+        p, v_cur, v_del_now = F.linear(x_BTD, W_in).to(dtype).split([Q + K, K // 2, K // 2], dim=-1)
 
         # 2. q-k mean sharing (pre-convolution residuals), for the query heads and then the key heads
         mu_q = (p[..., :Q].reshape(B, T, Hk, g, d) + p[..., Q:].reshape(B, T, Hk, 1, d)) * 0.5
@@ -189,7 +196,7 @@ class CompressedConvAttention(nn.Module):
         # 3. the causal convolutions over p_t = [q~_t | k~_t]; their state is the last P vectors of p
         past = p.new_zeros(B, P, Q + K) if conv_past is None else conv_past.to(dtype)
         p_ext = torch.cat([past, p], dim=1)
-        z = self._convolve(p_ext, T).to(dtype)
+        z = self._convolve(p_ext, T, M, c).to(dtype)
 
         # 4. add the mean-shared residuals back: q and k heads side by side, [B, T, Hq + Hk, d]
         qk = z + mu
