@@ -6,7 +6,6 @@ convolution/value-shift states, so the work per token besides attention itself i
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,7 +92,6 @@ def generate(
     if decoder is None:
         def step(token: torch.Tensor) -> torch.Tensor:
             return model.logits(model.hidden_states(token[:, None], cache)[:, -1])
-        trusted = contextlib.nullcontext()
     else:
         static = StaticCache.from_cache(cache, round_capacity(prompt_ids.shape[1] + max_new_tokens))
         position = torch.tensor(prompt_ids.shape[1], device=device)
@@ -102,22 +100,20 @@ def generate(
             logits = decoder(token, position, static)
             position.add_(1)
             return logits
-        trusted = decoder.trusted()
 
     finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=device)
     out = []
-    with trusted:
-        for i in range(max_new_tokens):
-            token = next_token(logits, sampling, generator)
-            if eos_token_id is not None:
-                token = token.masked_fill(finished, eos_token_id)
-                finished |= token == eos_token_id
-            out.append(token)
-            if on_token is not None:
-                on_token(token)
-            if i == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
-                break
-            logits = step(token)
+    for i in range(max_new_tokens):
+        token = next_token(logits, sampling, generator)
+        if eos_token_id is not None:
+            token = token.masked_fill(finished, eos_token_id)
+            finished |= token == eos_token_id
+        out.append(token)
+        if on_token is not None:
+            on_token(token)
+        if i == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
+            break
+        logits = step(token)
     if not out:
         return prompt_ids.new_zeros(prompt_ids.shape[0], 0)
     return torch.stack(out, dim=1)

@@ -15,7 +15,6 @@ The prompt is prefilled by the eager model into its growing cache, which is then
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,43 +121,16 @@ class CompiledDecoder:
     def __init__(self, model: Zaya):
         self.model = model
         self._step = torch.compile(_Step(model), dynamic=False, fullgraph=True, options={"cpp_wrapper": True})
-        self._compiled: set[tuple] = set()
-        self._last: tuple[weakref.ref, tuple, list] | None = None  # (cache, shape key, derived weights)
+        self._derived: tuple[weakref.ref, list] | None = None  # (the cache they were made for, weights)
 
     def __call__(self, token_B: torch.Tensor, position: torch.Tensor, cache: StaticCache) -> torch.Tensor:
         """The logits [B, V] of `decode_step`."""
-        if self._last is None or self._last[0]() is not cache:
-            # a new generation: derive the attention weights once for all its steps (a compiled step would
-            # otherwise rebuild them every time), and the shape key, which is not free either
-            weights = [block.attn.derived_weights() for block in self.model.blocks]
-            self._last = (weakref.ref(cache), self._shape_key(cache), weights)
-        _, shape_key, weights = self._last
-        key = (
-            shape_key, tuple(token_B.shape), token_B.dtype, token_B.device, position.shape, position.dtype,
-            torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled(token_B.device.type),
-        )
-        args = (token_B, position, cache.keys, cache.values, cache.conv, cache.shift, weights)
-        if key in self._compiled:
-            return self._step(*args)
+        if self._derived is None or self._derived[0]() is not cache:
+            # a new generation: derive the attention weights once for all its steps; a compiled step would
+            # otherwise rebuild them every time (the memo that spares the eager path cannot be traced)
+            self._derived = (weakref.ref(cache), [block.attn.derived_weights() for block in self.model.blocks])
         try:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=False):
-                result = self._step(*args)
+            return self._step(token_B, position, cache.keys, cache.values, cache.conv, cache.shift, self._derived[1])
         except BackendCompilerFailed as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise ZayaError(f"compiling the decode step failed (it needs a working C++ compiler): {first}") from None
-        self._compiled.add(key)
-        return result
-
-    def trusted(self) -> contextlib.AbstractContextManager:
-        """A context in which steps of already compiled shapes skip dynamo's guard evaluation (a tenth of a
-        `tiny` step). Safe for this decoder's own calls: a shape it has not compiled yet still goes through
-        the guards, and it alone makes every input of its steps. Entering it costs about a millisecond, so
-        it wraps a whole generation, not a step."""
-        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
-
-    def _shape_key(self, cache: StaticCache) -> tuple:
-        """What selects a graph besides the token batch and the grad/autocast modes: the cache's and the
-        weights' shapes and dtypes, and the model's configuration."""
-        weights = frozenset((p.dtype, p.device, tuple(p.shape)) for p in self.model.parameters())
-        states = tuple((t.dtype, t.device, tuple(t.shape)) for t in (cache.keys[0], cache.conv[0], cache.shift[0]))
-        return (states, len(cache.keys), weights, repr(self.model.config), self.model.training)
