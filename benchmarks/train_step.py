@@ -72,7 +72,8 @@ def main() -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=6, help="measured steps per side, after 2 warm-up steps")
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per side")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per side first")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16 (autocast), fp32")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled variant")
     args = parser.parse_args()
@@ -99,7 +100,7 @@ def main() -> None:
             for block in compiled.blocks:
                 block.compile()
             sides.append(Side("ours, compiled", compiled, ours_loss))
-        for i in range(args.steps + 2):
+        for i in range(args.steps + args.warmup):
             for side in sides:
                 if side.name == "ours, compiled" and i == 0:
                     start = time.perf_counter()
@@ -107,7 +108,7 @@ def main() -> None:
                     print(f"# compilation (first compiled step): {time.perf_counter() - start:.1f} s")
                     continue
                 side.step(batches[i % len(batches)], autocast)
-        rate = {side.name: tokens / statistics.median(side.times[2:]) for side in sides}
+        rate = {side.name: tokens / statistics.median(side.times[args.warmup:]) for side in sides}
         label = f"{name}{' autocast' if autocast else ''}"
         print(ratio_line(f"tokens/s, {label}", rate["ours"], rate["peer"], "tok/s"))
         if "ours, compiled" in rate:
