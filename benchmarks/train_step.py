@@ -5,9 +5,10 @@ next-token cross-entropy its own way (ours: the fused chunked LM-head loss; the 
 `cross_entropy` in fp32). Steps of the two sides alternate, so that drift in the machine's speed hits both
 alike, and the medians are compared. The process keeps freed memory (`zaya.device.tune_host_allocator`),
 which speeds up both sides alike. "ours, compiled" is the same model with every block `torch.compile`d
-(`train.compile = true`, bf16 only); its compilation time is reported, not counted. Run:
+(`train.compile = true`, bf16 only); its compilation time is reported, not counted. `--only SIDE` times
+one side alone, for comparisons between separate processes. Run:
 
-    python benchmarks/train_step.py [--preset small] [--batch 8] [--seq 512] [--steps 6]
+    python benchmarks/train_step.py [--preset small] [--batch 8] [--seq 512] [--steps 6] [--warmup 2]
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per side first")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16 (autocast), fp32")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled variant")
+    parser.add_argument("--only", choices=["ours", "peer", "ours, compiled"], default=None,
+                        help="time one side alone (run once per side, in separate processes, and compare)")
     args = parser.parse_args()
 
     header(f"train step, preset {args.preset}, batch {args.batch} x {args.seq}")
@@ -100,6 +103,8 @@ def main() -> None:
             for block in compiled.blocks:
                 block.compile()
             sides.append(Side("ours, compiled", compiled, ours_loss))
+        if args.only is not None:
+            sides = [side for side in sides if side.name == args.only]
         for i in range(args.steps + args.warmup):
             for side in sides:
                 if side.name == "ours, compiled" and i == 0:
@@ -110,8 +115,12 @@ def main() -> None:
                 side.step(batches[i % len(batches)], autocast)
         rate = {side.name: tokens / statistics.median(side.times[args.warmup:]) for side in sides}
         label = f"{name}{' autocast' if autocast else ''}"
-        print(ratio_line(f"tokens/s, {label}", rate["ours"], rate["peer"], "tok/s"))
-        if "ours, compiled" in rate:
+        if args.only is not None:
+            print(f"tokens/s, {label}, {args.only} alone: {rate[args.only]:,.1f} "
+                  f"({tokens / rate[args.only]:.3f} s per step)")
+        else:
+            print(ratio_line(f"tokens/s, {label}", rate["ours"], rate["peer"], "tok/s"))
+        if "ours, compiled" in rate and "peer" in rate:
             print(ratio_line(f"tokens/s, {label}, ours compiled", rate["ours, compiled"], rate["peer"], "tok/s"))
         for side in sides:
             achieved = flops_per_step * rate[side.name] / tokens
