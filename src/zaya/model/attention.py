@@ -109,7 +109,7 @@ class CompressedConvAttention(nn.Module):
     def _remember(self, name: str, sources: tuple[torch.Tensor, ...], build) -> torch.Tensor:
         """`build()`, reused across calls while no source tensor changed and no gradient is wanted (decoding)."""
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in sources)):
-            return build()  # a compiled graph holds (or constant-folds) the result itself
+            return build()  # a traced graph cannot key a memo on storage: it computes the result itself
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
         cached = self._memo.get(name)
         if cached is None or cached[0] != key:
