@@ -94,9 +94,7 @@ def decode_step(
         keys, values = cache.keys[i].to(q.dtype), cache.values[i].to(q.dtype)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
         a = attn.o_proj(out.transpose(1, 2).flatten(2))
-        u = block.attn_residual(a, h)
-        m, routing = block.moe(block.moe_norm(u), router_state, gathered=True)
-        h, router_state = block.moe_residual(m, u), routing.state
+        h, router_state = block.after_attention(a, h, router_state, gathered=True)
     return model.logits(model.norm(h)[:, -1])
 
 

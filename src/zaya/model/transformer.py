@@ -64,9 +64,21 @@ class ZayaBlock(nn.Module):
         cache: AttentionCache | None = None,
         stats: RouterStats | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        a = self.attn(self.attn_norm(h), rope, cache)
+        return self.after_attention(self.attn(self.attn_norm(h), rope, cache), h, router_state, stats)
+
+    def after_attention(
+        self,
+        a: torch.Tensor,
+        h: torch.Tensor,
+        router_state: torch.Tensor | None,
+        stats: RouterStats | None = None,
+        *,
+        gathered: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of the block once the attention output `a` of stream `h` is known: its merge, the MoE
+        sublayer and its merge (`gathered`: see `ZayaMoE.forward`). Returns the new stream and router state."""
         u = self.attn_residual(a, h)
-        m, routing = self.moe(self.moe_norm(u), router_state)
+        m, routing = self.moe(self.moe_norm(u), router_state, gathered=gathered)
         if stats is not None:
             stats.record(self.index, routing)
         return self.moe_residual(m, u), routing.state
