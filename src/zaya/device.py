@@ -60,6 +60,15 @@ def grouped_mm_pays_for_empty_groups(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+def grouped_mm_row_multiple(device: torch.device, dtype: torch.dtype) -> int:
+    """Each expert's rows are padded (with zero rows) to a multiple of this before the grouped matmuls.
+    On the CPU, half-precision groups run as one oneDNN GEMM each, and oneDNN JIT-builds a kernel for every
+    shape it has not seen, which costs more than a small group's GEMM itself; on multiples of 32 the shapes
+    recur and come from its primitive cache. fp32 GEMMs (BLAS) and accelerator kernels, which take the group
+    offsets as data, gain nothing from padding."""
+    return 32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else 1
+
+
 def loss_chunk_logits(device: torch.device) -> int:
     """How many logits the fused LM-head loss forms at once: on a CPU few enough for the softmax passes to
     stay in cache (2M, 8 MiB in fp32); on an accelerator enough rows for big matmuls (256M)."""

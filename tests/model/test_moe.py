@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zaya.model.moe import HAS_GROUPED_MM, Experts
+import zaya.model.moe as moe
+from zaya.model.moe import HAS_GROUPED_MM, Experts, _group_rows
 from zaya.model.presets import get_preset
 
 
@@ -27,9 +28,11 @@ def _reference(experts, x, expert, weight):
     return out
 
 
+@pytest.mark.parametrize("multiple", [1, 8])
 @pytest.mark.parametrize("grouped", [True, False] if HAS_GROUPED_MM else [False])
 @pytest.mark.parametrize("pattern", ["random", "one_expert", "some_empty", "few_tokens", "one_token"])
-def test_dispatch_matches_per_expert_reference(grouped, pattern):
+def test_dispatch_matches_per_expert_reference(grouped, pattern, multiple, monkeypatch):
+    monkeypatch.setattr(moe, "grouped_mm_row_multiple", lambda device, dtype: multiple)
     experts = _experts()
     experts.use_grouped_mm = grouped
     # fewer tokens than experts take the decoding paths on the CPU (gathered weights; one token: in place)
@@ -77,3 +80,16 @@ def test_autocast_runs_the_experts_in_bf16_with_fp32_master_gradients():
     assert experts.gate_up_proj.grad.dtype == torch.float32
     ref = _reference(_experts(), x, expert, weight)
     assert (out.float() - ref).abs().max() < 0.02 * ref.abs().max()
+
+
+@pytest.mark.parametrize("multiple", [1, 4, 32])
+def test_grouped_layout_is_contiguous_padded_and_in_token_order(multiple):
+    expert = torch.tensor([2, 0, 2, 3, 0, 2, 2, 0, 3])
+    row, sizes, rows = _group_rows(expert, 5, multiple)
+    counts = torch.bincount(expert, minlength=5)
+    assert sizes.tolist() == [-(-int(c) // multiple) * multiple for c in counts]
+    assert rows == int(sizes.sum()) and len(set(row.tolist())) == len(expert)
+    starts = torch.cumsum(sizes, 0) - sizes
+    for e in range(5):
+        mine = row[expert == e]
+        assert mine.tolist() == list(range(int(starts[e]), int(starts[e]) + int(counts[e])))

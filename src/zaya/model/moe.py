@@ -6,7 +6,8 @@
 
 Dispatch sorts the tokens by expert and runs each projection as one grouped matmul over contiguous row
 ranges (`torch._grouped_mm` where it exists, else one padded batched matmul), so no Python loop issues a
-matmul per expert and nothing waits on the host.
+matmul per expert. Where the device module asks for it (CPU, half precision) each range is padded with zero
+rows to a fixed multiple, so that the per-group GEMM shapes recur; only then does anything wait on the host.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zaya.device import autocast_dtype, grouped_mm_pays_for_empty_groups
+from zaya.device import autocast_dtype, grouped_mm_pays_for_empty_groups, grouped_mm_row_multiple
 from zaya.model.config import ZayaConfig
 from zaya.model.router import Routing, ZayaRouter
 
@@ -39,16 +40,16 @@ class Experts(nn.Module):
             if x_ND.shape[0] == 1:
                 return self._single(x_ND, expert_N, weight_N)
             return self.gathered(x_ND, expert_N, weight_N)
-        order = torch.argsort(expert_N, stable=True)
-        counts = torch.bincount(expert_N, minlength=self.num_experts)
-        # cast before permuting: under autocast the experts run in bf16, and half the bytes move
-        x_sorted = _permute_rows(x_ND.to(autocast_dtype(x_ND.device) or x_ND.dtype), order)
+        # cast before dispatching: under autocast the experts run in bf16, and half the bytes move
+        x_ND = x_ND.to(autocast_dtype(x_ND.device) or x_ND.dtype)
+        multiple = grouped_mm_row_multiple(x_ND.device, x_ND.dtype)
+        row_N, sizes_E, rows = _group_rows(expert_N, self.num_experts, multiple)
+        x_grouped = _to_rows(x_ND, row_N, rows)
         matmul = _grouped_matmul if self.use_grouped_mm else _padded_matmul
-        h = matmul(x_sorted, self.gate_up_proj, counts)
+        h = matmul(x_grouped, self.gate_up_proj, sizes_E)
         gate, up = h.chunk(2, dim=-1)
-        y_sorted = matmul(F.silu(gate) * up, self.down_proj, counts)
-        y_sorted = y_sorted * weight_N[order, None].to(y_sorted.dtype)
-        return _permute_rows(y_sorted, torch.argsort(order))
+        y_grouped = matmul(F.silu(gate) * up, self.down_proj, sizes_E)
+        return _from_rows(y_grouped, row_N) * weight_N[:, None].to(y_grouped.dtype)
 
     def gathered(self, x_ND: torch.Tensor, expert_N: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
         """The same sum for few tokens (decoding): each token's expert weights gathered, one batched matmul per
@@ -101,24 +102,63 @@ class ZayaMoE(nn.Module):
 # ---- dispatch primitives ------------------------------------------------------------------------------
 
 
-class _PermuteRows(torch.autograd.Function):
-    """x[perm] whose backward is the inverse gather rather than a scatter-add (perm is a permutation)."""
+@torch.compiler.disable  # data-dependent sizes: the graph breaks here anyway; the bookkeeping runs eagerly
+def _group_rows(expert_N: torch.Tensor, E: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The grouped layout: each expert's tokens on contiguous rows, in token order, expert 0 first, every
+    group padded with zero rows to a multiple of `multiple`. Returns each token's row, the group sizes [E]
+    and the number of rows (read on the host when padding, which only the CPU asks for)."""
+    N = expert_N.shape[0]
+    counts = torch.bincount(expert_N, minlength=E)
+    order = torch.argsort(expert_N, stable=True)
+    sizes = counts if multiple == 1 else (counts + multiple - 1) // multiple * multiple
+    expert_sorted = expert_N[order]
+    shift = torch.cumsum(sizes - counts, 0) - (sizes - counts)  # pad rows before each group
+    row_N = torch.empty_like(order)
+    row_N[order] = torch.arange(N, device=order.device) + shift[expert_sorted]
+    rows = N if multiple == 1 else int(sizes.sum())
+    return row_N, sizes, rows
+
+
+class _ToRows(torch.autograd.Function):
+    """out[row[i]] = x[i] in a zero buffer of `rows` rows; the backward gathers (row is injective)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(perm)
-        return x.index_select(0, perm)
+    def forward(ctx, x: torch.Tensor, row: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.save_for_backward(row)
+        return _scatter_rows(x, row, rows)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (perm,) = ctx.saved_tensors
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-        return grad.index_select(0, inverse), None
+        (row,) = ctx.saved_tensors
+        return grad.index_select(0, row), None, None
 
 
-def _permute_rows(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    return _PermuteRows.apply(x, perm)
+class _FromRows(torch.autograd.Function):
+    """y[row[i]] for every token i; the backward scatters into a zero buffer (row is injective)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(row)
+        ctx.rows = y.shape[0]
+        return y.index_select(0, row)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (row,) = ctx.saved_tensors
+        return _scatter_rows(grad.contiguous(), row, ctx.rows), None
+
+
+def _scatter_rows(x: torch.Tensor, row: torch.Tensor, rows: int) -> torch.Tensor:
+    out = x.new_empty(rows, x.shape[1]) if rows == x.shape[0] else x.new_zeros(rows, x.shape[1])
+    return out.index_copy_(0, row, x)  # with as many rows as tokens, row is a permutation: all are written
+
+
+def _to_rows(x: torch.Tensor, row: torch.Tensor, rows: int) -> torch.Tensor:
+    return _ToRows.apply(x, row, rows)
+
+
+def _from_rows(y: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    return _FromRows.apply(y, row)
 
 
 class _GroupedMM(torch.autograd.Function):
