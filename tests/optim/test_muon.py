@@ -20,6 +20,15 @@ SHAPES = [(48, 48), (64, 32), (32, 64), (4, 48, 24), (3, 24, 48)]
 HYPER = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 
 
+@pytest.fixture(autouse=True, params=["plain", "blocks"])
+def iteration_form(request, monkeypatch):
+    """Every test runs with the plain iteration and with the 2 x 2 block-symmetric one, which the CPU takes
+    from 512-wide Gram matrices on; here from 8, so that these small shapes take it too."""
+    blocks_from = 8 if request.param == "blocks" else None
+    monkeypatch.setattr(muon_module, "newton_schulz_blocks_from", lambda device: blocks_from)
+    return request.param
+
+
 def make_params(shapes, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(0.02 * torch.randn(shape, generator=generator)) for shape in shapes]
@@ -148,6 +157,19 @@ def test_zero_gradient_gives_zero_update():
     run(Muon(params, lr=0.1, weight_decay=0.0), params, [[torch.zeros(s) for s in SHAPES]] * 2)
     for param, before in zip(params, start, strict=True):
         assert torch.equal(param.detach(), before)
+
+
+def test_block_iteration_needs_an_even_gram_side(monkeypatch):
+    G = torch.randn(3, 25, 40, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(muon_module, "newton_schulz_blocks_from", lambda device: None)
+    plain = newton_schulz(G, dtype=torch.float32)
+    monkeypatch.setattr(muon_module, "newton_schulz_blocks_from", lambda device: 8)
+    assert torch.equal(newton_schulz(G, dtype=torch.float32), plain)  # 25 is odd: the plain iteration
+    blocks = newton_schulz(G[:, :24], dtype=torch.float32)
+    monkeypatch.setattr(muon_module, "newton_schulz_blocks_from", lambda device: None)
+    plain = newton_schulz(G[:, :24], dtype=torch.float32)
+    assert not torch.equal(blocks, plain)  # 24 is even: the block iteration, equal up to rounding
+    torch.testing.assert_close(blocks, plain, atol=1e-5, rtol=1e-5)
 
 
 def test_batched_equals_one_by_one():

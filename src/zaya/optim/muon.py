@@ -27,12 +27,15 @@ parameter [E, m, n] contributes its E matrices. A batch streams through in chunk
 applied chunk by chunk; see CPU_CHUNK_BYTES). The iteration runs in bf16 (the matmuls accumulate in fp32) or,
 on request, in fp32; `backend="compiled"` runs it through `torch.compile`, as "auto" does on GPUs.
 
-Symmetry. A and b A + c A^2 are symmetric, so their lower block triangle need not be computed. On the CPU it
-does not pay at these sizes: computing only the upper blocks of 2 x 2 blocked Gram products, measured on a
-2-core Zen 5 with oneDNN's bf16 GEMMs, runs 7-30% slower for 256- to 2048-wide matrices than the full
-products (half-size GEMMs and block copies cost more than the 15-17% of FLOPs saved), so it is not done here;
-a GPU kernel that skips the lower tiles is where it belongs. Iterating on the Gram matrix alone (X_t = Q_t X_0)
-saves 16% of the FLOPs for 1:2 matrices but drifts by 10-25% in bf16, so it is not used either.
+Symmetry. A and b A + c A^2 are symmetric, so their lower block triangle need not be computed. On the CPU,
+from a Gram side of 512 on (`zaya.device.newton_schulz_blocks_from`), the eager iteration splits X into
+halves along the Gram side and forms only the blocks A11, A12, A22 and the same three of b A + c A^2
+(`_quintic_blocks`): 3/4 of those products' FLOPs, 15-17% of the iteration's. It pays only when every block
+of the batch is its own contiguous tensor (`bmm` copies a strided one on every call): measured on a 2-core
+Zen 5 with oneDNN's bf16 GEMMs, 5-11% faster for 512-wide matrices, and no faster at 256, where half-size
+GEMMs lose what the FLOPs save. In bf16 its extra roundings (the blocks are sums of two products) move the
+output by ~1.6% against a float64 iteration instead of ~1.1%. Iterating on the Gram matrix alone
+(X_t = Q_t X_0) saves 16% of the FLOPs for 1:2 matrices but drifts by 10-25% in bf16, so it is not used.
 
 The math lives in functions on full local matrices (`newton_schulz`, `orthogonalize`, `muon_update`), so
 that a sharded optimizer can gather a matrix on the rank that owns it and call them there. `Muon` itself
@@ -53,6 +56,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from zaya.device import newton_schulz_blocks_from
 from zaya.errors import ZayaError
 
 try:
@@ -75,6 +79,9 @@ NS_BACKENDS = ("auto", "eager", "compiled")
 # 256 x 256 ones as fast, and a whole-batch pass would stream the elementwise work from memory.
 MAX_BATCH_NUMEL = 1 << 28
 CPU_CHUNK_BYTES = 16 << 20
+# The block iteration (see _quintic_blocks) multiplies half-size matrices, and more of them per call pays:
+# measured, 24-32 MB chunks iterate 512-wide Gram matrices 4-6% faster than 16 MB ones.
+CPU_BLOCKS_CHUNK_BYTES = 32 << 20
 # Within a chunk, the fp32 elementwise work goes a few matrices at a time on the CPU, for the same reason.
 CPU_SLICE_BYTES = 4 << 20
 
@@ -188,7 +195,8 @@ def _chunk_size(rows: int, cols: int, dtype: torch.dtype, device: torch.device, 
     """Matrices per chunk (see MAX_BATCH_NUMEL and CPU_CHUNK_BYTES)."""
     if device.type == "cpu" and not compiled:
         k = min(rows, cols)
-        return max(1, CPU_CHUNK_BYTES // ((2 * rows * cols + 2 * k * k) * dtype.itemsize))
+        budget = CPU_BLOCKS_CHUNK_BYTES if _takes_blocks(k, device) else CPU_CHUNK_BYTES
+        return max(1, budget // ((2 * rows * cols + 2 * k * k) * dtype.itemsize))
     return max(1, MAX_BATCH_NUMEL // (rows * cols))
 
 
@@ -208,6 +216,8 @@ def _quintic_eager(X: Tensor, steps: int, a: float, b: float, c: float, buffers:
     """The iteration on preallocated buffers: three batched matmuls per step and no other kernel."""
     count = X.shape[0]
     A, P, Y = buffers.A[:count], buffers.P[:count], buffers.Y[:count]
+    if _takes_blocks(min(X.shape[-2:]), X.device):
+        return _quintic_blocks(X, Y, A, P, steps, a, b, c)
     tall = X.shape[-2] > X.shape[-1]
     for _ in range(steps):
         if tall:
@@ -220,6 +230,65 @@ def _quintic_eager(X: Tensor, steps: int, a: float, b: float, c: float, buffers:
             torch.baddbmm(X, P, X, beta=a, out=Y)  # a X + (b A + c A^2) X
         X, Y = Y, X
     return X
+
+
+def _takes_blocks(k: int, device: torch.device) -> bool:
+    """Whether the eager iteration on a Gram side of `k` goes by 2 x 2 blocks (`_quintic_blocks`)."""
+    blocks_from = newton_schulz_blocks_from(device)
+    return blocks_from is not None and k >= blocks_from and k % 2 == 0
+
+
+def _quintic_blocks(X: Tensor, Y: Tensor, A: Tensor, P: Tensor, steps: int, a: float, b: float, c: float) -> Tensor:
+    """The same iteration on 2 x 2 blocks of the (symmetric) Gram matrices: A = [[A11, A12], [A12^T, A22]]
+    and P = b A + c A^2 likewise, so only A11, A12, A22 and P11, P12, P22 are formed:
+
+        P11 = b A11 + c (A11 A11 + A12 A12^T)    P12 = b A12 + c (A11 A12 + A12 A22)
+        P22 = b A22 + c (A12^T A12 + A22 A22)
+
+    X is split into halves along the Gram side (rows if wide, columns if tall), and each half of the batch is
+    stored as one contiguous tensor: a strided block of a batch is copied by `bmm` on every call. The halves
+    live in X's and Y's memory (X is copied out first) and the blocks in A's and P's; the result is copied
+    back to the [count, m, n] layout in whichever of X and Y does not hold it, and returned."""
+    count, m, n = X.shape
+    tall = m > n
+    h = min(m, n) // 2
+    half = (count, m, h) if tall else (count, h, n)
+
+    def halves(buffer: Tensor) -> Tensor:
+        return buffer.view(-1)[: 2 * math.prod(half)].view(2, *half)
+
+    def as_halves(matrices: Tensor) -> Tensor:  # [count, m, n] viewed as its two halves [2, *half]
+        if tall:
+            return matrices.view(count, m, 2, h).permute(2, 0, 1, 3)
+        return matrices.view(count, 2, h, n).transpose(0, 1)
+
+    current, following = halves(Y), halves(X)
+    current.copy_(as_halves(X))
+    A11, A12, A22 = A.view(-1)[: 3 * count * h * h].view(3, count, h, h).unbind(0)
+    P11, P12, P22 = P.view(-1)[: 3 * count * h * h].view(3, count, h, h).unbind(0)
+    for _ in range(steps):
+        (X1, X2), (Y1, Y2) = current.unbind(0), following.unbind(0)
+        if tall:  # A = X^T X
+            torch.bmm(X1.mT, X1, out=A11)
+            torch.bmm(X1.mT, X2, out=A12)
+            torch.bmm(X2.mT, X2, out=A22)
+        else:  # A = X X^T
+            torch.bmm(X1, X1.mT, out=A11)
+            torch.bmm(X1, X2.mT, out=A12)
+            torch.bmm(X2, X2.mT, out=A22)
+        torch.baddbmm(A11, A11, A11, beta=b, alpha=c, out=P11).baddbmm_(A12, A12.mT, alpha=c)
+        torch.baddbmm(A12, A11, A12, beta=b, alpha=c, out=P12).baddbmm_(A12, A22, alpha=c)
+        torch.baddbmm(A22, A22, A22, beta=b, alpha=c, out=P22).baddbmm_(A12.mT, A12, alpha=c)
+        if tall:  # Y = a X + X P:  Y1 = a X1 + X1 P11 + X2 P12^T,  Y2 = a X2 + X1 P12 + X2 P22
+            torch.baddbmm(X1, X1, P11, beta=a, out=Y1).baddbmm_(X2, P12.mT)
+            torch.baddbmm(X2, X1, P12, beta=a, out=Y2).baddbmm_(X2, P22)
+        else:  # Y = a X + P X:  Y1 = a X1 + P11 X1 + P12 X2,  Y2 = a X2 + P12^T X1 + P22 X2
+            torch.baddbmm(X1, P11, X1, beta=a, out=Y1).baddbmm_(P12, X2)
+            torch.baddbmm(X2, P12.mT, X1, beta=a, out=Y2).baddbmm_(P22, X2)
+        current, following = following, current
+    out = X if current.data_ptr() == Y.data_ptr() else Y
+    as_halves(out).copy_(current)
+    return out
 
 
 def _quintic(X: Tensor, steps: int, a: float, b: float, c: float) -> Tensor:
