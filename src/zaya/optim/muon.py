@@ -213,7 +213,8 @@ class _Buffers:
 
 
 def _quintic_eager(X: Tensor, steps: int, a: float, b: float, c: float, buffers: _Buffers) -> Tensor:
-    """The iteration on preallocated buffers: three batched matmuls per step and no other kernel."""
+    """The iteration on preallocated buffers: three batched matmuls per step and no other kernel (or, on
+    Gram sides where the device module asks for it, the block-symmetric form of `_quintic_blocks`)."""
     count = X.shape[0]
     A, P, Y = buffers.A[:count], buffers.P[:count], buffers.Y[:count]
     if _takes_blocks(min(X.shape[-2:]), X.device):
