@@ -111,8 +111,9 @@ def _group_rows(expert_N: torch.Tensor, E: int, multiple: int) -> tuple[torch.Te
     counts = torch.bincount(expert_N, minlength=E)
     order = torch.argsort(expert_N, stable=True)
     sizes = counts if multiple == 1 else (counts + multiple - 1) // multiple * multiple
+    pad = sizes - counts
+    shift = torch.cumsum(pad, 0) - pad  # pad rows before each group
     expert_sorted = expert_N[order]
-    shift = torch.cumsum(sizes - counts, 0) - (sizes - counts)  # pad rows before each group
     row_N = torch.empty_like(order)
     row_N[order] = torch.arange(N, device=order.device) + shift[expert_sorted]
     rows = N if multiple == 1 else int(sizes.sum())
