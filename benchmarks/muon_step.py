@@ -13,6 +13,10 @@ It then prints:
   steps x (4 k^2 l + 2 k^3)) over the time of our batched `newton_schulz` on all matrices, as a fraction
   of the machine's bf16 matmul peak for the same shapes, measured in the same run as the time of bare
   `torch.bmm` calls of exactly the iteration's operand shapes (3 per step, no other work);
+- torch's own Newton-Schulz (`torch.optim._muon._zeropower_via_newtonschulz`, matrix by matrix) timed
+  alone, i.e. how much of its step is bookkeeping around the iteration; and the ceiling on the speedup on
+  this machine: torch's step over the bare-bmm time of the iteration (what ours would reach if its step were
+  nothing but the iteration's matmuls at the bare bmm rate);
 - the projected optimizer share of a ZAYA1-base step: Newton-Schulz FLOPs of all its Muon matrices over
   6 x active parameters x tokens per step (4M tokens), i.e. at equal FLOP/s, without any sharding of the
   Newton-Schulz work across ranks.
@@ -49,8 +53,9 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def bench_steps(tensors: list[torch.Tensor], rounds: int) -> tuple[list[float], list[float]]:
-    """(ours, torch's) step times over `rounds` alternating rounds, after one untimed step each."""
+def bench_steps(tensors: list[torch.Tensor], rounds: int) -> tuple[list[float], list[float], float | None]:
+    """(ours, torch's) step times over `rounds` alternating rounds, after one untimed step each, and the
+    fastest time of torch's Newton-Schulz alone on all its matrices (None if this torch lacks the function)."""
     generator = torch.Generator().manual_seed(0)
     ours_params = [torch.nn.Parameter(t.clone()) for t in tensors]
     for p in ours_params:
@@ -69,7 +74,24 @@ def bench_steps(tensors: list[torch.Tensor], rounds: int) -> tuple[list[float], 
     for _ in range(rounds):
         ours_times.append(timed(ours.step))
         torch_times.append(timed(reference.step))
-    return ours_times, torch_times
+    return ours_times, torch_times, torch_newton_schulz(reference, rounds)
+
+
+def torch_newton_schulz(optimizer: torch.optim.Muon, rounds: int) -> float | None:
+    """The fastest of `rounds` timings of torch's Newton-Schulz on the gradient of every parameter of
+    `optimizer`, one by one, with its settings."""
+    try:
+        from torch.optim._muon import _zeropower_via_newtonschulz
+    except ImportError:  # a private function: other torch versions may not have it
+        return None
+    group = optimizer.param_groups[0]
+
+    def run() -> None:
+        for p in group["params"]:
+            _zeropower_via_newtonschulz(p.grad, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+    run()
+    return min(timed(run) for _ in range(rounds))
 
 
 def matrix_shapes(tensors: list[torch.Tensor]) -> Counter:
@@ -143,7 +165,7 @@ def main() -> None:
         print(f"\n## {preset}: {len(tensors)} tensors, {sum(shapes.values())} matrices, "
               f"{sum(t.numel() for t in tensors):,} parameters")
         print("shapes  " + ", ".join(f"{count} x {m}x{n}" for (m, n), count in sorted(shapes.items())))
-        ours, reference = bench_steps(tensors, args.rounds)
+        ours, reference, torch_ns = bench_steps(tensors, args.rounds)
         speedup = min(reference) / min(ours)
         paired = statistics.median(r / o for o, r in zip(ours, reference, strict=True))
         target = targets.get(preset)
@@ -156,6 +178,11 @@ def main() -> None:
         print(f"Newton-Schulz   {flops / 1e9:.1f} GFLOP: zaya {flops / ns_time / 1e9:.0f} GFLOP/s, bf16 bmm peak for "
               f"the same shapes {flops / bare_time / 1e9:.0f} GFLOP/s, fraction {fraction:.2f}  "
               f"(target >= 0.8: {'met' if fraction >= 0.8 else 'NOT met'})")
+        if torch_ns is not None:
+            print(f"torch's Newton-Schulz alone {torch_ns * 1e3:.1f} ms: {1 - torch_ns / min(reference):.0%} of its "
+                  f"step is bookkeeping around the iteration")
+        print(f"ceiling on the speedup here: torch's step / the bare-bmm time of the iteration = "
+              f"{min(reference) / bare_time:.2f}x")
     print(f"\n# load average at end: {load_average()}")
     zaya1_base_projection()
 

@@ -304,6 +304,31 @@ def test_bad_hyperparameters_name_the_field(kwargs, field):
         Muon(make_params([(8, 8)]), **kwargs)
 
 
+def test_tensor_learning_rate_equals_a_float_one():
+    """torch's optimizers take `lr` as a one-element tensor too; its current value is used at every step."""
+    shapes = [(16, 24), (3, 16, 8)]
+    grads = make_grads(shapes, 3)
+    floats, tensors = make_params(shapes), make_params(shapes)
+    hyper = {**HYPER, "adjust_lr_fn": "match_rms_adamw"}
+    run(Muon(floats, **hyper), floats, grads)
+    lr = torch.tensor(hyper.pop("lr"), dtype=torch.float64)  # holds 0.02 exactly, as the float does
+    optimizer = Muon(tensors, lr=lr, **hyper)
+    run(optimizer, tensors, grads)
+    for a, b in zip(floats, tensors, strict=True):
+        assert torch.equal(a, b)
+    lr.fill_(0.0)  # read at the step: with lr 0 nothing moves (decoupled weight decay scales with lr)
+    before = [p.detach().clone() for p in tensors]
+    run(optimizer, tensors, grads[:1])
+    for a, b in zip(before, tensors, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("lr", [torch.tensor([0.1, 0.2]), torch.tensor(1), torch.tensor(-0.1)])
+def test_bad_tensor_learning_rates_are_refused(lr):
+    with pytest.raises(ZayaError, match="'lr'"):
+        Muon(make_params([(8, 8)]), lr=lr)
+
+
 def test_vectors_are_refused():
     with pytest.raises(ZayaError, match=r"shape \[8\]"):
         Muon([torch.nn.Parameter(torch.zeros(8))])

@@ -327,6 +327,11 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _value(number: Any) -> Any:
+    """A one-element tensor (torch's optimizers take `lr` as one) as a Python number; anything else as is."""
+    return number.item() if isinstance(number, Tensor) and number.numel() == 1 else number
+
+
 # ---- batches of same-shape matrices ---------------------------------------------------------------------
 
 
@@ -540,7 +545,7 @@ class Workspace:
 
 
 def muon_defaults(
-    lr: float = 1e-3,
+    lr: float | Tensor = 1e-3,
     weight_decay: float = 0.1,
     momentum: float = 0.95,
     nesterov: bool = True,
@@ -569,8 +574,14 @@ def muon_defaults(
 
 def validate_muon_group(group: MutableMapping[str, Any], where: str = "Muon") -> None:
     """Raise `ZayaError` naming the first hyperparameter or parameter of a Muon group that is unusable."""
-    for name in ("lr", "weight_decay"):
-        if not _finite(group[name]) or group[name] < 0:
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and (lr.numel() != 1 or not lr.is_floating_point()):
+        raise ZayaError(
+            f"{where}: a tensor 'lr' must hold one real floating-point number, got shape {list(lr.shape)} "
+            f"and dtype {lr.dtype}"
+        )
+    for name, value in (("lr", _value(lr)), ("weight_decay", group["weight_decay"])):
+        if not _finite(value) or value < 0:
             raise ZayaError(f"{where}: '{name}' must be a non-negative number, got {group[name]!r}")
     if not _finite(group["momentum"]) or not 0 <= group["momentum"] < 1:
         raise ZayaError(f"{where}: 'momentum' must be in [0, 1), got {group['momentum']!r}")
@@ -596,7 +607,8 @@ class Muon(Optimizer):
     `torch.optim.Muon`, plus stacked expert parameters [E, m, n] (each of the E matrices orthogonalised on
     its own, under the learning-rate rule of one [m, n] matrix) and batched Newton-Schulz.
 
-    Beyond torch's arguments: `ns_dtype` (torch.bfloat16 or torch.float32, or their names) is the precision
+    `lr` may be a one-element tensor, as torch's optimizers allow; its value is read at every step. Beyond
+    torch's arguments: `ns_dtype` (torch.bfloat16 or torch.float32, or their names) is the precision
     of the iteration; `ns_backend` is "eager", "compiled" or "auto" (compiled on GPUs, eager elsewhere).
     State: `momentum_buffer` per parameter, as torch keeps it.
     """
@@ -604,7 +616,7 @@ class Muon(Optimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
@@ -695,7 +707,7 @@ class _Step:
     def apply(self, start: int, stop: int, orthogonal_BMN: Tensor) -> None:
         """W <- (1 - lr lambda) W - lr s(m, n) O for matrices [start, stop) of the parameter, with O their
         orthogonalised directions (all of a DTensor's full local matrices)."""
-        lr, weight_decay = self.group["lr"], self.group["weight_decay"]
+        lr, weight_decay = _value(self.group["lr"]), self.group["weight_decay"]
         rate = adjusted_lr(lr, self.group["adjust_lr_fn"], *self.param.shape[-2:])
         if not self.splittable:
             pieces: Iterable[tuple[Tensor, ...]] = [
