@@ -151,6 +151,17 @@ def test_rank_deficient_and_zero_inputs(dtype):
     assert torch.equal(zero, torch.zeros_like(zero))
 
 
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (2, 0, 3), (0, 4, 4)])
+def test_empty_matrices_pass_through(shape):
+    assert newton_schulz(torch.zeros(shape)).shape == torch.Size(shape)
+    empty, full = torch.nn.Parameter(torch.zeros(shape)), torch.nn.Parameter(torch.ones(6, 4))
+    empty.grad, full.grad = torch.zeros(shape), torch.randn(6, 4)
+    optimizer = Muon([empty, full], lr=0.1, adjust_lr_fn="original")
+    optimizer.step()
+    assert empty.shape == torch.Size(shape) and optimizer.state[empty]["momentum_buffer"].shape == torch.Size(shape)
+    assert not torch.equal(full, torch.ones(6, 4))
+
+
 def test_zero_gradient_gives_zero_update():
     params = make_params(SHAPES)
     start = [p.detach().clone() for p in params]

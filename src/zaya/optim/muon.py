@@ -196,8 +196,8 @@ def _chunk_size(rows: int, cols: int, dtype: torch.dtype, device: torch.device, 
     if device.type == "cpu" and not compiled:
         k = min(rows, cols)
         budget = CPU_BLOCKS_CHUNK_BYTES if _takes_blocks(k, device) else CPU_CHUNK_BYTES
-        return max(1, budget // ((2 * rows * cols + 2 * k * k) * dtype.itemsize))
-    return max(1, MAX_BATCH_NUMEL // (rows * cols))
+        return max(1, budget // max(1, (2 * rows * cols + 2 * k * k) * dtype.itemsize))
+    return max(1, MAX_BATCH_NUMEL // max(1, rows * cols))  # empty matrices: any count
 
 
 class _Buffers:
@@ -518,7 +518,7 @@ def _slices(*stacks: Tensor) -> Iterable[tuple[Tensor, ...]]:
     first = stacks[0]
     if first.device.type != "cpu":
         return [stacks]
-    per = max(1, CPU_SLICE_BYTES // (first.shape[-2] * first.shape[-1] * first.element_size()))
+    per = max(1, CPU_SLICE_BYTES // max(1, first.shape[-2] * first.shape[-1] * first.element_size()))
     return zip(*(stack.split(per) for stack in stacks), strict=True)
 
 
@@ -672,6 +672,8 @@ def muon_step(
             param_state = state[param]
             if "momentum_buffer" not in param_state:
                 param_state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
+            if 0 in param.shape[-2:]:  # an empty matrix: nothing to orthogonalise or update
+                continue
             direction = _Direction(param.grad, param_state["momentum_buffer"], group["momentum"], group["nesterov"])
             key = (*param.shape[-2:], direction.device, settings, group["ns_backend"])
             batches.setdefault(key, _Batch(*param.shape[-2:], direction.device)).items.append(
