@@ -664,6 +664,8 @@ def muon_step(
     batches: dict[tuple, _Batch] = {}
     for group in groups:
         settings = (group["ns_steps"], tuple(group["ns_coefficients"]), group["eps"], group["ns_dtype"])
+        lr = _value(group["lr"])  # a tensor lr: its current value, read once per step
+        decay = 1 - lr * group["weight_decay"]
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -677,7 +679,7 @@ def muon_step(
             direction = _Direction(param.grad, param_state["momentum_buffer"], group["momentum"], group["nesterov"])
             key = (*param.shape[-2:], direction.device, settings, group["ns_backend"])
             batches.setdefault(key, _Batch(*param.shape[-2:], direction.device)).items.append(
-                _Step(param, group, direction)
+                _Step(param, direction, decay, adjusted_lr(lr, group["adjust_lr_fn"], *param.shape[-2:]))
             )
     for (_, _, _, (steps, coefficients, eps, dtype_name), backend), batch in batches.items():
         batch.run(steps, coefficients, eps, NS_DTYPES[dtype_name], backend, _Step.apply, workspace)
@@ -685,11 +687,13 @@ def muon_step(
 
 @dataclass
 class _Step:
-    """One parameter's part of a Muon step."""
+    """One parameter's part of a Muon step: W <- decay W - rate O, with decay = 1 - lr lambda and
+    rate = lr s(m, n)."""
 
     param: Tensor
-    group: MutableMapping[str, Any]
     direction: _Direction
+    decay: float
+    rate: float
 
     @property
     def shape(self) -> torch.Size:
@@ -707,10 +711,8 @@ class _Step:
         self.direction.write(out_BMN, start, stop, eps, workspace)
 
     def apply(self, start: int, stop: int, orthogonal_BMN: Tensor) -> None:
-        """W <- (1 - lr lambda) W - lr s(m, n) O for matrices [start, stop) of the parameter, with O their
-        orthogonalised directions (all of a DTensor's full local matrices)."""
-        lr, weight_decay = _value(self.group["lr"]), self.group["weight_decay"]
-        rate = adjusted_lr(lr, self.group["adjust_lr_fn"], *self.param.shape[-2:])
+        """W <- decay W - rate O for matrices [start, stop) of the parameter, with O their orthogonalised
+        directions (all of a DTensor's full local matrices)."""
         if not self.splittable:
             pieces: Iterable[tuple[Tensor, ...]] = [
                 (self.param, _as_param(orthogonal_BMN.view(self.shape), self.param))
@@ -718,9 +720,9 @@ class _Step:
         else:
             pieces = _slices(_stack(self.param)[start:stop], orthogonal_BMN)
         for param, orthogonal in pieces:
-            if weight_decay != 0:
-                param.mul_(1 - lr * weight_decay)
-            param.add_(orthogonal, alpha=-rate)
+            if self.decay != 1:
+                param.mul_(self.decay)
+            param.add_(orthogonal, alpha=-self.rate)
 
 
 # ---- DTensor parameters ---------------------------------------------------------------------------------
