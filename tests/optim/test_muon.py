@@ -231,6 +231,23 @@ def test_chunks_and_slices_change_nothing(monkeypatch, dtype):
         torch.testing.assert_close(cut, whole, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("total", [1, 2, 7, 11, 32, 33, 100, 257])
+@pytest.mark.parametrize("per", [1, 2, 3, 5, 16, 21, 64])
+def test_chunk_sizes_are_balanced(monkeypatch, total, per, threads):
+    """Chunks of a batch are no more than the cache budget needs, of nearly equal size, and a multiple of the
+    thread count where the size exceeds it (an odd batch leaves one of two threads idle at its end)."""
+    monkeypatch.setattr(muon_module, "batched_matmul_multiple", lambda device: threads)
+    size = muon_module._balanced(total, per, torch.device("cpu"))
+    chunks = -(-total // size)
+    assert chunks <= -(-total // per)
+    assert size <= total and size < per + threads
+    if size > threads and size < total:
+        assert size % threads == 0
+    if chunks > 1:  # as equal as whole chunks of a multiple of the thread count allow
+        assert size < -(-total // chunks) + threads
+
+
 def plain(node):
     """True if a state dict holds only tensors, numbers, strings, booleans, None and containers of them."""
     if isinstance(node, dict):
