@@ -232,8 +232,8 @@ def test_chunks_and_slices_change_nothing(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
-@pytest.mark.parametrize("total", [1, 2, 7, 11, 32, 33, 100, 257])
-@pytest.mark.parametrize("per", [1, 2, 3, 5, 16, 21, 64])
+@pytest.mark.parametrize("total", [1, 7, 32, 33, 257])
+@pytest.mark.parametrize("per", [1, 3, 21, 64])
 def test_chunk_sizes_are_balanced(monkeypatch, total, per, threads):
     """Chunks of a batch are no more than the cache budget needs, of nearly equal size, and a multiple of the
     thread count where the size exceeds it (an odd batch leaves one of two threads idle at its end)."""
