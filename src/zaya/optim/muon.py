@@ -191,13 +191,16 @@ def _compiled(backend: str, device: torch.device) -> bool:
     return backend == "compiled" or (backend == "auto" and device.type == "cuda")
 
 
-def _chunk_size(rows: int, cols: int, dtype: torch.dtype, device: torch.device, compiled: bool) -> int:
-    """Matrices per chunk (see MAX_BATCH_NUMEL and CPU_CHUNK_BYTES)."""
+def _chunk_size(rows: int, cols: int, total: int, dtype: torch.dtype, device: torch.device, compiled: bool) -> int:
+    """Matrices per chunk of a batch of `total` [rows, cols] matrices: at most a budget's worth (see
+    MAX_BATCH_NUMEL and CPU_CHUNK_BYTES), then evened out (`_balanced`)."""
     if device.type == "cpu" and not compiled:
         k = min(rows, cols)
         budget = CPU_BLOCKS_CHUNK_BYTES if _takes_blocks(k, device) else CPU_CHUNK_BYTES
-        return max(1, budget // max(1, (2 * rows * cols + 2 * k * k) * dtype.itemsize))
-    return max(1, MAX_BATCH_NUMEL // max(1, rows * cols))  # empty matrices: any count
+        per = max(1, budget // max(1, (2 * rows * cols + 2 * k * k) * dtype.itemsize))
+    else:
+        per = max(1, MAX_BATCH_NUMEL // max(1, rows * cols))  # empty matrices: any count
+    return _balanced(total, per, device)
 
 
 def _balanced(total: int, per: int, device: torch.device) -> int:
@@ -389,8 +392,8 @@ class _Batch:
         `sink`, which must consume it before it returns (the chunk's memory is reused). `workspace`, kept
         between calls on the CPU, saves the allocations."""
         compiled = _compiled(backend, self.device)
-        total = sum(item.shape[0] if len(item.shape) == 3 else 1 for item in self.items)
-        per = _balanced(total, _chunk_size(self.rows, self.cols, dtype, self.device, compiled), self.device)
+        total = sum(_count(item) for item in self.items)
+        per = _chunk_size(self.rows, self.cols, total, dtype, self.device, compiled)
         chunks = list(self._chunks(per))
         if not chunks:  # only empty stacks
             return
@@ -415,7 +418,7 @@ class _Batch:
         chunk: list[tuple[_Item, int, int]] = []
         room = per
         for item in self.items:
-            count = item.shape[0] if len(item.shape) == 3 else 1
+            count = _count(item)
             start = 0
             while start < count:
                 if room <= 0 or (chunk and not item.splittable and count > room):
@@ -427,6 +430,11 @@ class _Batch:
                 room -= take
         if chunk:
             yield chunk
+
+
+def _count(item: _Item) -> int:
+    """How many matrices an item holds."""
+    return item.shape[0] if len(item.shape) == 3 else 1
 
 
 def _run_batches(
