@@ -11,10 +11,11 @@ import shutil
 import pytest
 import torch
 
-import zaya.optim.muon as muon_module
+import zaya.optim.ns_iteration as ns_module
 from zaya.errors import ZayaError
 from zaya.optim import Muon, muon_update, newton_schulz, orthogonalize
-from zaya.optim.muon import NS_COEFFICIENTS, adjusted_lr
+from zaya.optim.muon import adjusted_lr
+from zaya.optim.ns_iteration import NS_COEFFICIENTS
 
 # square, tall, wide, stacked tall experts, stacked wide experts
 SHAPES = [(48, 48), (64, 32), (32, 64), (4, 48, 24), (3, 24, 48)]
@@ -26,7 +27,7 @@ def iteration_form(request, monkeypatch):
     """Every test runs with the plain iteration and with the 2 x 2 block-symmetric one, which the CPU takes
     from 512-wide Gram matrices on; here from 8, so that these small shapes take it too."""
     blocks_from = 8 if request.param == "blocks" else None
-    monkeypatch.setattr(muon_module, "newton_schulz_blocks_from", lambda device: blocks_from)
+    monkeypatch.setattr(ns_module, "newton_schulz_blocks_from", lambda device: blocks_from)
     return request.param
 
 
@@ -173,12 +174,12 @@ def test_zero_gradient_gives_zero_update():
 
 def test_block_iteration_needs_an_even_gram_side(monkeypatch):
     G = torch.randn(3, 25, 40, generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(muon_module, "newton_schulz_blocks_from", lambda device: None)
+    monkeypatch.setattr(ns_module, "newton_schulz_blocks_from", lambda device: None)
     plain = newton_schulz(G, dtype=torch.float32)
-    monkeypatch.setattr(muon_module, "newton_schulz_blocks_from", lambda device: 8)
+    monkeypatch.setattr(ns_module, "newton_schulz_blocks_from", lambda device: 8)
     assert torch.equal(newton_schulz(G, dtype=torch.float32), plain)  # 25 is odd: the plain iteration
     blocks = newton_schulz(G[:, :24], dtype=torch.float32)
-    monkeypatch.setattr(muon_module, "newton_schulz_blocks_from", lambda device: None)
+    monkeypatch.setattr(ns_module, "newton_schulz_blocks_from", lambda device: None)
     plain = newton_schulz(G[:, :24], dtype=torch.float32)
     assert not torch.equal(blocks, plain)  # 24 is even: the block iteration, equal up to rounding
     torch.testing.assert_close(blocks, plain, atol=1e-5, rtol=1e-5)
@@ -222,8 +223,8 @@ def test_chunks_and_slices_change_nothing(monkeypatch, dtype):
     results = []
     for cut in (False, True):
         if cut:
-            monkeypatch.setattr(muon_module, "CPU_CHUNK_BYTES", 1)
-            monkeypatch.setattr(muon_module, "CPU_SLICE_BYTES", 1)
+            monkeypatch.setattr(ns_module, "CPU_CHUNK_BYTES", 1)
+            monkeypatch.setattr(ns_module, "CPU_SLICE_BYTES", 1)
         params = make_params(SHAPES)
         run(Muon(params, **HYPER, ns_dtype=dtype), params, make_grads(SHAPES, steps=2))
         results.append([p.detach() for p in params])
@@ -237,8 +238,8 @@ def test_chunks_and_slices_change_nothing(monkeypatch, dtype):
 def test_chunk_sizes_are_balanced(monkeypatch, total, per, threads):
     """Chunks of a batch are no more than the cache budget needs, of nearly equal size, and a multiple of the
     thread count where the size exceeds it (an odd batch leaves one of two threads idle at its end)."""
-    monkeypatch.setattr(muon_module, "batched_matmul_multiple", lambda device: threads)
-    size = muon_module._balanced(total, per, torch.device("cpu"))
+    monkeypatch.setattr(ns_module, "batched_matmul_multiple", lambda device: threads)
+    size = ns_module._balanced(total, per, torch.device("cpu"))
     chunks = -(-total // size)
     assert chunks <= -(-total // per)
     assert size <= total and size < per + threads
@@ -332,7 +333,7 @@ def _fsdp_worker(rank: int, world: int, init_method: str, iteration_form: str) -
     from torch.distributed.tensor import distribute_tensor
 
     if iteration_form == "blocks":
-        muon_module.newton_schulz_blocks_from = lambda device: 8
+        ns_module.newton_schulz_blocks_from = lambda device: 8
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))

@@ -8,15 +8,8 @@ from zaya.optim.hybrid import (
     describe_param_groups,
     split_parameters,
 )
-from zaya.optim.muon import (
-    Muon,
-    adjusted_lr,
-    muon_step,
-    muon_update,
-    newton_schulz,
-    newton_schulz_flops,
-    orthogonalize,
-)
+from zaya.optim.muon import Muon, adjusted_lr, muon_step, muon_update
+from zaya.optim.ns_iteration import newton_schulz, newton_schulz_flops, orthogonalize
 from zaya.optim.schedule import ScheduleConfig, cosine, set_lr_multiplier, wsd
 
 __all__ = [

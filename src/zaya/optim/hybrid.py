@@ -33,20 +33,10 @@ from zaya.model.layers import EmbeddingScaling, ResidualScaling, RMSNorm
 from zaya.model.moe import Experts
 from zaya.model.router import ZayaRouter
 from zaya.model.transformer import ZayaBlock
-from zaya.optim.muon import (
-    ADJUST_LR_FNS,
-    NS_BACKENDS,
-    NS_COEFFICIENTS,
-    NS_DTYPES,
-    NS_EPS,
-    NS_STEPS,
-    Workspace,
-    dtype_name,
-    muon_defaults,
-    muon_step,
-    run_closure,
-    validate_muon_group,
-)
+from zaya.optim.muon import ADJUST_LR_FNS, dtype_name, muon_defaults, muon_step, run_closure, validate_muon_group
+from zaya.optim.ns_iteration import NS_BACKENDS, NS_COEFFICIENTS, NS_DTYPES, NS_EPS, NS_STEPS, Workspace
+from zaya.parallel.comm import CommCounter
+from zaya.parallel.dtensor import local
 
 ALGORITHMS = ("muon", "adamw")
 
@@ -261,11 +251,17 @@ class MuonAdamW(Optimizer):
     `betas`, `eps`, `weight_decay` and are stepped with `torch.optim.AdamW`'s own functional code (state
     `step`, `exp_avg`, `exp_avg_sq`, as torch keeps it). Missing hyperparameters take the defaults of
     `muon_defaults` / `adamw_defaults`. Every group also keeps `initial_lr`, its configured rate.
+
+    Parameters may be FSDP2 `DTensor`s: AdamW and Muon's momentum run on the local shards, and Muon's split
+    matrices go to their owner ranks (`zaya.parallel.muon`), whose traffic `comm` counts. After each step
+    `last_muon_report` says what this rank orthogonalised.
     """
 
-    def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
+    def __init__(self, param_groups: Iterable[dict[str, Any]], comm: CommCounter | None = None) -> None:
         super().__init__(list(param_groups), defaults={})
         self._workspace = Workspace()
+        self.comm = comm
+        self.last_muon_report = None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -295,7 +291,8 @@ class MuonAdamW(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step of every group; returns the closure's loss, if given."""
         loss = run_closure(closure)
-        muon_step([g for g in self.param_groups if g["algorithm"] == "muon"], self.state, self._workspace)
+        muon_groups = [g for g in self.param_groups if g["algorithm"] == "muon"]
+        self.last_muon_report = muon_step(muon_groups, self.state, self._workspace, self.comm)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 _adamw_step(group, self.state)
@@ -326,10 +323,11 @@ def _adamw_step(group: MutableMapping[str, Any], state: MutableMapping[Tensor, d
             param_state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
             param_state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             param_state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        params.append(param)
-        grads.append(param.grad)
-        exp_avgs.append(param_state["exp_avg"])
-        exp_avg_sqs.append(param_state["exp_avg_sq"])
+        # elementwise: a DTensor's step is its local shard's
+        params.append(local(param))
+        grads.append(local(param.grad))
+        exp_avgs.append(local(param_state["exp_avg"]))
+        exp_avg_sqs.append(local(param_state["exp_avg_sq"]))
         steps.append(param_state["step"])
     if not params:
         return
@@ -348,9 +346,10 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def build_optimizer(model: nn.Module, config: OptimConfig | None = None) -> MuonAdamW:
+def build_optimizer(model: nn.Module, config: OptimConfig | None = None, comm: CommCounter | None = None) -> MuonAdamW:
     """Muon + AdamW over all of `model`'s parameters, split by `split_parameters`; one group per split group
-    (named as in `describe_param_groups`), each with `initial_lr` set for the schedule."""
+    (named as in `describe_param_groups`), each with `initial_lr` set for the schedule. `comm` counts the
+    optimizer's collectives when the parameters are sharded."""
     config = config or OptimConfig()
     groups = []
     for spec in split_parameters(model, config.decay_vectors):
@@ -366,7 +365,7 @@ def build_optimizer(model: nn.Module, config: OptimConfig | None = None) -> Muon
         groups.append(
             {"params": spec.params, "name": spec.name, "algorithm": spec.algorithm, **hyper, "initial_lr": hyper["lr"]}
         )
-    return MuonAdamW(groups)
+    return MuonAdamW(groups, comm)
 
 
 def describe_param_groups(model: nn.Module, config: OptimConfig | None = None) -> str:

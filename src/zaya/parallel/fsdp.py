@@ -1,0 +1,134 @@
+"""`parallelize(model, mesh, config)`: activation checkpointing, compilation and FSDP2 / HSDP, applied from
+outside to a plain `Zaya` (the model files know nothing of ranks).
+
+Order (torchtitan's): checkpointing, then compilation, then sharding, so that FSDP's hooks wrap each block's
+checkpointed, compiled forward. The same code runs on one rank (a one-rank mesh: nothing is split, nothing
+is sent) and on many.
+
+Units, each one all-gather in forward (and again in backward) and one reduce-scatter of its gradients:
+every block; inside each block its router, a unit of its own so that it can keep fp32 parameters (routing
+decisions are discrete, and bf16 rounding of the router's weights flips them); and the root (embedding,
+final norm). The root's forward method is `Zaya.loss` as well as `Zaya.forward`.
+
+Mixed precision (`train.precision = "bf16"`): the blocks' parameters are all-gathered and used in bf16, the
+router's and (with `fp32_logits`, so that the tied LM head runs in fp32 as in one process) the root's in
+fp32; gradients are reduced in fp32 into the fp32 shards the optimizer updates. Forward inputs are not cast:
+the residual stream stays fp32, and autocast still covers the activations.
+
+Placement: every parameter is split along its first dimension (`torch.chunk`'s rows), except a stack of
+experts [E, m, n] whose E does not divide evenly over the ranks while its rows m do: it is split along m, so
+that memory stays balanced (E = 16 on 32 ranks would leave half of them empty), and Muon then gives each of
+its matrices an owner (`zaya.parallel.muon`). Split along E, every shard holds whole experts and Muon needs
+no communication for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import Shard
+
+from zaya.errors import ZayaError
+from zaya.model.transformer import Zaya
+from zaya.parallel.comm import CommCounter, count_fsdp
+
+if TYPE_CHECKING:
+    from zaya.config import RunConfig
+
+ACTIVATION_CHECKPOINTING = ("none", "full", "moe")
+
+
+def shard_dim(shape: tuple[int, ...], ranks: int) -> int:
+    """The dimension FSDP2 splits a parameter of `shape` along over `ranks` ranks (see the module docstring)."""
+    if len(shape) == 3 and shape[0] % ranks and shape[1] % ranks == 0:
+        return 1
+    return 0
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One `fully_shard` call: the module, whether its parameters stay fp32 under bf16 mixed precision, and
+    whether FSDP frees them after forward (and all-gathers them again in backward)."""
+
+    module: nn.Module
+    keep_fp32: bool
+    reshard_after_forward: bool
+
+
+def fsdp_units(model: Zaya) -> Iterator[Unit]:
+    """The units of the module docstring, innermost first (the order `fully_shard` must see them in)."""
+    for block in model.blocks:
+        yield Unit(block.moe.router, keep_fp32=True, reshard_after_forward=True)
+        yield Unit(block, keep_fp32=False, reshard_after_forward=True)
+    # FSDP2 keeps the root's parameters gathered from forward to backward: they are needed first in backward
+    yield Unit(model, keep_fp32=model.config.fp32_logits, reshard_after_forward=False)
+
+
+def unit_parameters(model: Zaya) -> list[tuple[Unit, list[nn.Parameter]]]:
+    """Each unit with the parameters `fully_shard` gives it: its own, less those of the units before it."""
+    taken: set[int] = set()
+    result = []
+    for unit in fsdp_units(model):
+        params = [p for p in unit.module.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in params)
+        result.append((unit, params))
+    return result
+
+
+def parallelize(model: Zaya, mesh: DeviceMesh, config: RunConfig, counter: CommCounter | None = None) -> Zaya:
+    """Apply `config.train.activation_checkpointing`, `config.train.compile` and FSDP2 (HSDP when the mesh's
+    `dp_replicate` dimension has more than one rank) to `model`, in place; returns it. `counter` counts the
+    bytes FSDP sends."""
+    train = config.train
+    if train.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise ZayaError(f"{config.source}: key 'train.activation_checkpointing' must be one of "
+                        f"{', '.join(ACTIVATION_CHECKPOINTING)}, got {train.activation_checkpointing!r}")
+    for block in model.blocks:
+        if train.activation_checkpointing == "full":
+            checkpoint(block)
+        elif train.activation_checkpointing == "moe":
+            checkpoint(block.moe)
+        if train.compile:
+            block.compile()
+    replicas = mesh["dp_replicate"].size()
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if replicas > 1 else mesh["dp_shard"]
+    ranks = mesh["dp_shard"].size()
+    bf16 = train.precision == "bf16"
+
+    def placement(param: nn.Parameter) -> Shard:
+        return Shard(shard_dim(tuple(param.shape), ranks))
+
+    for unit in fsdp_units(model):
+        low = torch.bfloat16 if bf16 and not unit.keep_fp32 else None
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if bf16 else None,
+                                      cast_forward_inputs=False)
+        fully_shard(unit.module, mesh=dp_mesh, reshard_after_forward=unit.reshard_after_forward,
+                    shard_placement_fn=placement, mp_policy=policy)
+        if counter is not None:
+            count_fsdp(unit.module, counter, replicas)
+    register_fsdp_forward_method(model, "loss")
+    return model
+
+
+def fsdp_volume(model: Zaya, shard_ranks: int, replicas: int, precision: str, micro_batches: int = 1) -> float:
+    """FSDP2's theoretical bytes sent per rank in one optimizer step of `micro_batches` micro-batches, by the
+    formulas of `zaya.parallel.comm` and without the padding of uneven shards: per unit and micro-batch one
+    all-gather of its parameters in forward, one more in backward if it reshards after forward, one
+    reduce-scatter of its gradients (fp32), and with HSDP one all-reduce of the reduced shards."""
+    n, r = shard_ranks, replicas
+    total = 0.0
+    for unit, params in unit_parameters(model):
+        numel = sum(p.numel() for p in params)
+        param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else 4
+        gathers = 2 if unit.reshard_after_forward else 1
+        total += gathers * numel * param_bytes * (n - 1) / n
+        total += numel * 4 * (n - 1) / n
+        total += 2 * (numel / n) * 4 * (r - 1) / r
+    return total * micro_batches
