@@ -4,13 +4,14 @@ one line on stderr and exit code 2, without a traceback."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import click
 import torch
 
-from zaya.errors import ZayaError
+from zaya.errors import StartupFailed, ZayaError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -170,14 +171,16 @@ def convert(src: Path, dst: Path, layout: str) -> None:
 @click.option("--print-param-groups", is_flag=True, help="Print the optimizer's parameter split and exit.")
 def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, allow_data_change: bool,
           print_param_groups: bool) -> None:
-    """Train (or resume training) a model from a TOML run config."""
+    """Train (or resume training) a model from a TOML run config; under torchrun, one process per device."""
     from zaya.config import load_config
+    from zaya.parallel.launch import Launch
 
-    config = load_config(config_path, list(overrides))
+    launch = Launch.from_env()
     if print_param_groups:
         from zaya.model.transformer import Zaya
         from zaya.optim import describe_param_groups
 
+        config = load_config(config_path, list(overrides))
         with torch.device("meta"):
             model = Zaya(config.model_config())
         click.echo(describe_param_groups(model, config.optim))
@@ -185,7 +188,11 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, a
     from zaya.train.trainer import Trainer
 
     run_dir = run_dir or Path("runs") / config_path.stem
-    trainer = Trainer(config, run_dir, allow_data_change=allow_data_change)
+    # every rank checks its config and inputs; bad input on any of them stops all of them, reported once
+    with launch.startup():
+        config = load_config(config_path, list(overrides))
+        launch.init_timeout_s = config.parallel.init_timeout_s
+        trainer = Trainer(config, run_dir, allow_data_change=allow_data_change, launch=launch)
     last = trainer.run()
     if not last:
         click.echo(f"nothing to do: {run_dir} is already at step {trainer.state.step} of {config.train.max_steps}")
@@ -235,7 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cli.main(args=argv, prog_name="zaya", standalone_mode=False)
     except ZayaError as exc:
-        click.echo(f"zaya: error: {exc}", err=True)
+        if not getattr(exc, "quiet", False):
+            rank = int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+            click.echo(f"zaya: error{f' (rank {rank})' if rank else ''}: {exc}", err=True)
+        if isinstance(exc, StartupFailed):
+            exc.reported()
         return 2
     except click.exceptions.Abort:
         click.echo("zaya: aborted", err=True)

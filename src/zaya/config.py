@@ -8,6 +8,7 @@
     [balance]    the balancing-bias controller
     [checkpoint] dir, every, keep, async_save
     [logging]    log_every, tensorboard, progress
+    [parallel]   the device mesh (dp_replicate, dp_shard, cp), backend, timeouts (zaya.parallel.mesh)
     [[phases]]   optional: name, tokens, sources, seq_len, lr_scale, rope_theta
 
 Unknown keys and wrong types are errors that name the key and the file; nothing is silently ignored.
@@ -29,6 +30,10 @@ from zaya.model.config import ZayaConfig
 from zaya.model.presets import PRESETS, get_preset
 from zaya.optim import OptimConfig
 from zaya.optim.schedule import ScheduleConfig
+from zaya.parallel.mesh import ParallelConfig
+
+# keys that moved: a config that still uses one is told where it went
+MOVED_KEYS = {"train.collective_timeout_s": "parallel.timeout_s"}
 
 
 @dataclass
@@ -82,9 +87,9 @@ class TrainSection:
     # torch.compile each block (fuses the elementwise work; costs a compilation at start, needs a C++
     # compiler on CPUs and Triton on GPUs)
     compile: bool = False
-    # every process group's timeout: generous, so that network blips do not kill a long job (the
-    # supervisor's heartbeats catch real hangs much sooner)
-    collective_timeout_s: float = 1800.0
+    # recompute activations in backward instead of keeping them: "none", "full" (every block keeps only its
+    # input) or "moe" (the MoE sublayers, whose expert activations are the largest)
+    activation_checkpointing: str = "none"
 
 
 @dataclass
@@ -137,6 +142,7 @@ class RunConfig:
     balance: BalanceSection = field(default_factory=BalanceSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     phases: list[Phase] = field(default_factory=list)
     source: str = "config"  # where it was read from, for messages
 
@@ -223,6 +229,8 @@ def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     for key in data:
+        if f"{prefix}{key}" in MOVED_KEYS:
+            raise ZayaError(f"{source}: key '{prefix}{key}' moved to '{MOVED_KEYS[prefix + key]}'")
         if key not in fields:
             raise ZayaError(f"{source}: unknown key '{prefix}{key}'")
     values = {key: _convert(hints[key], value, source, f"{prefix}{key}") for key, value in data.items()}
@@ -276,7 +284,10 @@ def _validate(config: RunConfig) -> None:
         _positive(config, f"train.{key}", getattr(train, key))
     _positive(config, "train.eval_every", train.eval_every, allow_zero=True)
     _positive(config, "train.grad_clip", train.grad_clip, allow_zero=True)
-    _positive(config, "train.collective_timeout_s", train.collective_timeout_s)
+    if train.activation_checkpointing not in ("none", "full", "moe"):
+        raise ZayaError(f"{config.source}: key 'train.activation_checkpointing' must be 'none', 'full' or 'moe', "
+                        f"got {train.activation_checkpointing!r}")
+    config.parallel.validate(config.source)
     if train.precision not in ("bf16", "fp32"):
         raise ZayaError(f"{config.source}: key 'train.precision' must be 'bf16' or 'fp32', got {train.precision!r}")
     if train.compile and train.precision != "bf16":

@@ -41,6 +41,34 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return default_device() if device is None else torch.device(device)
 
 
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device of the process with `local_rank` on its node: an accelerator given without an index means
+    the one of that number (torchrun starts one process per GPU), made the current one."""
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+    return device
+
+
+def distributed_backend(device: torch.device) -> str:
+    """The collective library for tensors on `device`: NCCL on GPUs (RCCL on ROCm builds, under the same
+    name), gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this process has held: allocated accelerator memory, or the peak resident set on the
+    CPU (which counts everything the process mapped, the interpreter included)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+    import sys
+
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kilobytes elsewhere
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued work on `device` (a no-op on the CPU); benchmarks call this around timed regions."""
     if device.type == "cuda":

@@ -70,7 +70,8 @@ class ZayaRouter(nn.Module):
             logits = _linear32(h, self.out_proj)
             probs = torch.softmax(logits, dim=-1)
             route = torch.argmax(probs.detach() + self.balancing_biases, dim=-1)
-            gate = probs.gather(-1, route[:, None]).squeeze(-1)
+            # indexed, not a squeezed view of a gather: a sharded router's outputs carry FSDP's backward hooks
+            gate = probs[torch.arange(route.numel(), device=route.device), route]
         return Routing(route=route, gate=gate, probs=probs, state=r)
 
 

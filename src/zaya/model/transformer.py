@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,8 +36,21 @@ class RouterStats:
         self.counts = torch.zeros(num_layers, num_routes, dtype=torch.int64, device=device)
         self.entropy_sum = torch.zeros(num_layers, dtype=torch.float64, device=device)
         self.tokens = 0
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Drop the records made inside: a backward pass that recomputes checkpointed blocks runs their forward
+        (and their routers) a second time."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def record(self, layer: int, routing: Routing) -> None:
+        if self._paused:
+            return
         with torch.no_grad():
             self.counts[layer] += torch.bincount(routing.route, minlength=self.counts.shape[1])
             p = routing.probs

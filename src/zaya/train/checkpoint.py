@@ -49,7 +49,10 @@ from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
 
 FORMAT = "zaya-checkpoint"
-VERSION = 1
+# 2: optimizer state keyed by parameter name (any world size resumes it); 1: by parameter index. The model
+# weights of both load alike.
+VERSION = 2
+MODEL_VERSIONS = (1, 2)
 CONFIG_FILE = "zaya.json"
 TRAIN_STATE_FILE = "train_state.json"
 METADATA_FILE = ".metadata"
@@ -183,48 +186,6 @@ def _advise(directory: Path, advice: str, flush: bool = False) -> None:
                 os.close(fd)
 
 
-# ---- tensors vs JSON ----------------------------------------------------------------------------------
-
-
-def split_tensors(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
-    """Separate a nested structure into a JSON skeleton and its tensors (replaced by {"tensor": key})."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(node: Any, path: str) -> Any:
-        if isinstance(node, torch.Tensor):
-            tensors[path] = node
-            return {"tensor": path}
-        if isinstance(node, dict):
-            return {"dict": [[_json_key(k), walk(v, f"{path}.{k}")] for k, v in node.items()]}
-        if isinstance(node, (list, tuple)):
-            kind = "tuple" if isinstance(node, tuple) else "list"
-            return {kind: [walk(v, f"{path}.{i}") for i, v in enumerate(node)]}
-        if node is None or isinstance(node, (bool, int, float, str)):
-            return {"value": node}
-        raise TypeError(f"cannot checkpoint a {type(node).__name__} at '{path}'")
-
-    return walk(obj, prefix), tensors
-
-
-def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of `split_tensors`."""
-    if "tensor" in skeleton:
-        return tensors[skeleton["tensor"]]
-    if "dict" in skeleton:
-        return {k: join_tensors(v, tensors) for k, v in skeleton["dict"]}
-    if "list" in skeleton:
-        return [join_tensors(v, tensors) for v in skeleton["list"]]
-    if "tuple" in skeleton:
-        return tuple(join_tensors(v, tensors) for v in skeleton["tuple"])
-    return skeleton["value"]
-
-
-def _json_key(key: Any) -> Any:
-    if isinstance(key, (str, int)) and not isinstance(key, bool):
-        return key
-    raise TypeError(f"cannot checkpoint a dict key of type {type(key).__name__}")
-
-
 # ---- random-number generators -------------------------------------------------------------------------
 
 
@@ -267,8 +228,9 @@ def read_checkpoint_config(directory: Path) -> tuple[ZayaConfig, dict]:
     info = read_json(path)
     if info.get("format") != FORMAT:
         raise ZayaError(f"{path}: field 'format' must be '{FORMAT}'")
-    if info.get("version") != VERSION:
-        raise ZayaError(f"{path}: unsupported checkpoint version {info.get('version')!r} (this build reads {VERSION})")
+    if info.get("version") not in MODEL_VERSIONS:
+        raise ZayaError(f"{path}: unsupported checkpoint version {info.get('version')!r} (this build reads "
+                        f"{', '.join(map(str, MODEL_VERSIONS))})")
     return ZayaConfig.from_dict(info.get("model"), source=f"{path}: model"), info
 
 
@@ -309,8 +271,10 @@ def load_model_weights(directory: Path, model: torch.nn.Module) -> None:
     model.load_state_dict(state["model"])
 
 
-def load_tensors(directory: Path, state: dict) -> None:
-    """DCP-load the tensors of `state` (nested dicts of tensors, filled in place), checking names and shapes."""
+def load_tensors(directory: Path, state: dict, process_group=None) -> None:
+    """DCP-load the tensors of `state` (nested dicts of tensors, DTensors included, filled in place),
+    checking names and shapes first; in a multi-process job every rank calls it, with `process_group` for
+    DCP's own collectives."""
     directory = Path(directory)
     metadata = read_metadata(directory)
     flat = _flatten(state)
@@ -323,7 +287,7 @@ def load_tensors(directory: Path, state: dict) -> None:
             raise ZayaError(f"{directory}: tensor '{key}' has shape {list(stored.size)}, expected {list(tensor.shape)}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=SafeReader(str(directory)))
+        dcp.load(state, storage_reader=SafeReader(str(directory)), process_group=process_group)
 
 
 def _flatten(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -3,49 +3,63 @@
 One optimizer step:
 
     B     = ramp(consumed samples)                       global batch, in sequences
-    batch = loader.next_batch(B)                         this rank's [B / world, seq_len + 1] tokens
-    for each micro-batch: loss = CE(model(x), y) * share;  loss.backward()   (bf16 autocast, fp32 masters)
-    all-reduce gradients (data parallel); clip the global norm; lr = initial_lr * schedule(step) * phase scale
-    optimizer.step();  balancing controller.update(global expert counts)
+    batch = loader.next_batch(B)                         this rank's [B / dp, seq_len + 1] tokens
+    for each micro-batch: loss = CE(model(x), y) * share;  loss.backward()   (FSDP2 reduce-scatters the
+                                                          gradients; bf16 autocast, fp32 master shards)
+    clip the global norm;  lr = initial_lr * schedule(step) * phase scale;  optimizer.step()
+    one all-reduce of the step's statistics;  balancing controller.update(global expert counts)
     phase switch once its token budget is spent;  metrics;  held-out eval;  checkpoint
 
-A resumed run restores the model, optimizer, controller, loader position, RNG states and phase from the
-newest valid checkpoint and continues bitwise-identically (on the CPU): nothing in the step depends on
-anything else.
+The model is sharded from outside (`zaya.parallel.parallelize`) on one rank as on many: the same code path,
+no gradient all-reduce of its own. A resumed run restores the model, optimizer, controller, loader position,
+RNG states and phase from the newest valid checkpoint, written on any number of ranks, and on the CPU
+continues bitwise-identically on the same mesh: nothing in the step depends on anything else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from zaya.config import RunConfig
 from zaya.data.loader import TokenLoader
 from zaya.data.ramp import BatchRamp
 from zaya.data.shards import open_dataset
-from zaya.device import peak_flops, resolve_device, synchronize, tune_host_allocator, vendor
+from zaya.device import (
+    peak_flops,
+    peak_memory_bytes,
+    rank_device,
+    resolve_device,
+    synchronize,
+    tune_host_allocator,
+    vendor,
+)
 from zaya.errors import ZayaError
 from zaya.model.flops import training_flops_per_token
 from zaya.model.transformer import RouterStats, Zaya
 from zaya.optim import build_optimizer, describe_param_groups, set_lr_multiplier
+from zaya.parallel.comm import all_reduce
+from zaya.parallel.dtensor import clip_grad_norm_
+from zaya.parallel.fsdp import parallelize
+from zaya.parallel.launch import Launch
+from zaya.parallel.mesh import ParallelContext, init_parallel
 from zaya.resilience.faults import FaultInjector
 from zaya.train import checkpoint as ckpt
+from zaya.train import state as train_state
 from zaya.train.balance import BalanceController, load_imbalance
 from zaya.train.metrics import MetricsLogger
 
 CONFIG_FILE = "run_config.json"  # not config.json: that name marks a Hugging Face directory
 LOG_FILE = "train.log"
+RANK_LOG = "logs/rank-{}.log"  # the other ranks' messages, one file each
 
 
 @dataclass
@@ -61,58 +75,36 @@ class TrainState:
     fingerprints: dict[str, list[str]] = field(default_factory=dict)  # data fingerprints per phase name
 
 
-@dataclass
-class Distributed:
-    rank: int = 0
-    world_size: int = 1
-    control_group: object = None
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(device: torch.device, timeout_s: float) -> Distributed:
-    """Join the torchrun worker group if launched by torchrun (WORLD_SIZE > 1), else a single process.
-
-    Every process group gets `timeout_s`, long enough that a network blip does not kill the job. The store
-    keys are prefixed by torchrun's restart count: after a restart the store still holds the previous
-    attempt's keys."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
-        return Distributed()
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
-        rank = int(os.environ["RANK"])
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                              is_master=rank == 0 and not agent_store, timeout=timeout)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        backend = "gloo" if device.type == "cpu" else None
-        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"zaya/restart-{restart}", store),
-                                rank=rank, world_size=world_size, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout)
-    return Distributed(rank=dist.get_rank(), world_size=dist.get_world_size(), control_group=control)
-
-
 class Trainer:
     """Runs a `RunConfig` in `run_dir`, resuming from its newest valid checkpoint if there is one."""
 
-    def __init__(self, config: RunConfig, run_dir: Path, *, allow_data_change: bool = False):
+    def __init__(self, config: RunConfig, run_dir: Path, *, allow_data_change: bool = False,
+                 launch: Launch | None = None):
         self.config = config
         self.run_dir = Path(run_dir)
         self.allow_data_change = allow_data_change
-        self.faults = FaultInjector()  # test-only; inert unless ZAYA_FAULTS is set
+        self.launch = launch or Launch.from_env()
+        # test-only; inert unless ZAYA_FAULTS is set
+        self.faults = FaultInjector(rank=self.launch.rank, attempt=self.launch.restart)
         self.model_config = config.model_config()
         self.phases = config.resolved_phases()
-        self.device = resolve_device(None if config.train.device == "auto" else config.train.device)
+        device = resolve_device(None if config.train.device == "auto" else config.train.device)
+        self.device = rank_device(device, self.launch.local_rank)
         self.checkpoint_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.run_dir / "checkpoints"
         self._check_inputs()
 
     # ---- checks that run before anything is written ------------------------------------------------------
 
     def _check_inputs(self) -> None:
-        train = self.config.train
+        train, source = self.config.train, self.config.source
+        replicate, shard, _ = self.config.parallel.shape(self.launch.world_size, source)
+        self.config.parallel.backend_for(self.device, source)
+        dp = replicate * shard
+        for size in self.ramp().sizes():
+            if size % dp:
+                key = "train.global_batch_size" if size == train.global_batch_size else "data.ramp_start"
+                raise ZayaError(f"{source}: key '{key}': a global batch of {size} sequences does not split "
+                                f"evenly over the {dp} data-parallel ranks (parallel.dp_replicate x dp_shard)")
         fingerprints = {}
         for phase in self.phases:
             datasets = [open_dataset(source.path) for source in phase.sources]  # clear errors if missing
@@ -121,11 +113,16 @@ class Trainer:
             fingerprints[phase.name] = [dataset.fingerprint for dataset in datasets]
         ramp = self.ramp()
         ramp.check_divisible(train.micro_batch_size, "train.micro_batch_size")
-        # before the process group exists: under torchrun the rank is in the environment
-        rank = int(os.environ.get("RANK", "0"))
-        manager = ckpt.CheckpointManager(self.checkpoint_dir, keep=self.config.checkpoint.keep, rank=rank)
+        # before the process group exists: rank 0 alone renames a bad checkpoint
+        manager = ckpt.CheckpointManager(self.checkpoint_dir, keep=self.config.checkpoint.keep,
+                                         rank=self.launch.rank)
         self.resume_from = manager.newest_valid(log=self._say) if self.checkpoint_dir.is_dir() else None
         if self.resume_from is not None:
+            version = ckpt.read_json(self.resume_from / ckpt.CONFIG_FILE).get("version")
+            if version != ckpt.VERSION:
+                raise ZayaError(f"{self.resume_from}: a checkpoint of format version {version}, whose optimizer "
+                                f"state this version ({ckpt.VERSION}) cannot resume; its model still loads "
+                                "(zaya convert, zaya.load_model)")
             saved = ckpt.read_json(self.resume_from / ckpt.TRAIN_STATE_FILE)["state"]
             for phase in self.phases:
                 now = fingerprints[phase.name]
@@ -145,38 +142,46 @@ class Trainer:
     # ---- setup ------------------------------------------------------------------------------------------
 
     def _say(self, text: str) -> None:
+        """A message: rank 0 shows it and appends it to train.log, every other rank to its own log file."""
+        stamped = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n"
+        if not self.launch.is_main:
+            path = self.run_dir / RANK_LOG.format(self.launch.rank)
+            if self.run_dir.is_dir():
+                path.parent.mkdir(exist_ok=True)
+                with path.open("a", encoding="utf-8") as handle:
+                    handle.write(stamped)
+            return
         logger = getattr(self, "metrics", None)
         if logger is not None:
             logger.message(text)
         else:
             print(text, flush=True)
-        if getattr(self, "dist", Distributed()).is_main and self.run_dir.is_dir():
+        if self.run_dir.is_dir():
             with (self.run_dir / LOG_FILE).open("a", encoding="utf-8") as handle:
-                handle.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+                handle.write(stamped)
 
     def _build(self) -> None:
         train = self.config.train
         tune_host_allocator()
-        self.dist = init_distributed(self.device, train.collective_timeout_s)
+        self.parallel: ParallelContext = init_parallel(self.config.parallel, self.device, self.launch,
+                                                       self.config.source)
         if self.resume_from is not None:
             warm = threading.Thread(target=ckpt.prewarm, args=(self.resume_from,), daemon=True)
             warm.start()  # the page cache fills while the model is being built
         torch.manual_seed(train.seed)
         with torch.device(self.device):
-            self.model = Zaya(self.model_config)
-        self.optimizer = build_optimizer(self.model, self.config.optim)
-        routers = [block.moe.router for block in self.model.blocks]
+            model = Zaya(self.model_config)  # the same full model on every rank, then sharded
+        routers = [block.moe.router for block in model.blocks]
         balance = self.config.balance
         self.controller = BalanceController(routers, balance.kp, balance.ki, balance.kd, balance.error)
+        self.model = parallelize(model, self.parallel.mesh, self.config, self.parallel.counter)
+        self.optimizer = build_optimizer(self.model, self.config.optim, comm=self.parallel.counter)
         self.manager = ckpt.CheckpointManager(self.checkpoint_dir, keep=self.config.checkpoint.keep,
-                                              rank=self.dist.rank, world_size=self.dist.world_size,
-                                              control_group=self.dist.control_group)
+                                              rank=self.launch.rank, world_size=self.launch.world_size,
+                                              control_group=self.parallel.control_group)
         self.state = TrainState()
         if self.resume_from is not None:
             self._restore(self.resume_from)
-        if train.compile:
-            for block in self.model.blocks:
-                block.compile()
         self.loader = self._loader(self.state.phase)
         if self.phases[self.state.phase].rope_theta:
             self.model.set_rope_theta(self.phases[self.state.phase].rope_theta)
@@ -187,7 +192,7 @@ class Trainer:
     def _loader(self, index: int) -> TokenLoader:
         phase = self.phases[index]
         loader = TokenLoader([(s.path, s.weight) for s in phase.sources], phase.seq_len, self.config.train.seed,
-                             rank=self.dist.rank, world_size=self.dist.world_size)
+                             rank=self.parallel.dp_rank, world_size=self.parallel.dp_size)
         saved = self.state.loaders.get(phase.name)
         if saved is not None:
             try:
@@ -202,24 +207,18 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------------
 
-    def _tensors(self) -> dict:
-        skeleton, optim_tensors = ckpt.split_tensors(self.optimizer.state_dict())
-        self._optim_skeleton = skeleton
-        return {"model": self.model.state_dict(), "optim": optim_tensors,
-                "controller": self.controller.state.state_dict()}
-
     def save(self) -> None:
         step = self.state.step
         self.state.loaders[self.phases[self.state.phase].name] = self.loader.state_dict()
-        tensors = self._tensors()
-        train_state = {"state": dataclasses.asdict(self.state), "optimizer": self._optim_skeleton,
+        tensors, skeleton = train_state.capture(self.model, self.optimizer, self.controller.state)
+        saved_state = {"state": dataclasses.asdict(self.state), "optimizer": skeleton,
                        "config": self.config.to_dict()}
         info = {"format": ckpt.FORMAT, "version": ckpt.VERSION, "model": self.model_config.to_dict(),
-                "dtype": "float32", "step": step}
+                "dtype": "float32", "step": step, "mesh": self.parallel.describe()}
         tokenizer = self.loader.datasets[0].tokenizer_path
         self.faults("checkpoint", step)
         started = time.perf_counter()
-        self.manager.save(step, tensors, train_state, info, extra_files=[tokenizer],
+        self.manager.save(step, tensors, saved_state, info, extra_files=[tokenizer],
                           async_save=self.config.checkpoint.async_save,
                           on_written=lambda: self.faults("checkpoint-written", step),
                           on_commit=lambda path: self.faults("committed", step))
@@ -227,25 +226,16 @@ class Trainer:
                   f"{time.perf_counter() - started:.2f} s")
 
     def _restore(self, directory: Path) -> None:
+        info = ckpt.read_json(directory / ckpt.CONFIG_FILE)
         saved = ckpt.read_json(directory / ckpt.TRAIN_STATE_FILE)
         self.state = TrainState(**saved["state"])
-        skeleton = saved["optimizer"]
-        metadata = ckpt.read_metadata(directory)
-        optim_tensors = {}
-        for key, meta in metadata.state_dict_metadata.items():
-            if key.startswith("optim."):
-                optim_tensors[key.removeprefix("optim.")] = torch.empty(
-                    tuple(meta.size), dtype=meta.properties.dtype, device="cpu")
-        tensors = {"model": self.model.state_dict(), "optim": optim_tensors,
-                   "controller": self.controller.state.state_dict()}
-        ckpt.load_tensors(directory, tensors)
-        self.model.load_state_dict(tensors["model"])
-        self.optimizer.load_state_dict(ckpt.join_tensors(skeleton, tensors["optim"]))
-        self.controller.state.load_state_dict(tensors["controller"])
-        rng = directory / f"rng.rank{self.dist.rank}.json"
+        train_state.restore(directory, self.model, self.optimizer, self.controller.state, saved["optimizer"],
+                            process_group=self.parallel.control_group)
+        rng = directory / f"rng.rank{self.launch.rank}.json"
         if rng.is_file():
             ckpt.set_rng_state(ckpt.read_json(rng))
-        self._say(f"resumed from {directory} (step {self.state.step}, phase '{self.phases[self.state.phase].name}')")
+        self._say(f"resumed from {directory} (step {self.state.step}, phase '{self.phases[self.state.phase].name}'"
+                  f", written by {info.get('world_size', 1)} rank(s))")
 
     # ---- the loop ---------------------------------------------------------------------------------------
 
@@ -255,7 +245,7 @@ class Trainer:
         return contextlib.nullcontext()
 
     def train_step(self) -> dict:
-        """One optimizer step; returns its metrics."""
+        """One optimizer step; returns its metrics (global: the same on every rank)."""
         train = self.config.train
         phase = self.phases[self.state.phase]
         global_batch = self.ramp().at(self.state.samples)
@@ -268,32 +258,30 @@ class Trainer:
             micro = batch[start:start + train.micro_batch_size]
             with self._autocast():
                 loss = self.model.loss(micro[:, :-1], micro[:, 1:], router_stats=stats)
-            (loss * (micro.shape[0] / rows)).backward()
+            with stats.paused():  # checkpointed blocks route again in backward
+                (loss * (micro.shape[0] / rows)).backward()
             loss_sum += loss.detach().double() * micro.shape[0]
-        if self.dist.world_size > 1:
-            _all_reduce_gradients(self.model)
-            dist.all_reduce(stats.counts)
-            dist.all_reduce(stats.entropy_sum)
-            dist.all_reduce(loss_sum)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if train.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip, foreach=True)
-        else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        grad_norm = clip_grad_norm_(params, train.grad_clip, self._all_reduce)
         lr_scale = self.config.schedule.multiplier(self.state.step) * phase.lr_scale
         set_lr_multiplier(self.optimizer, lr_scale)
+        synchronize(self.device)
+        started = time.perf_counter()
         self.optimizer.step()
+        synchronize(self.device)
+        optimizer_time = time.perf_counter() - started
+        counts, entropy, loss_total, memory, sent = self._global_stats(stats, loss_sum)
         if self.config.balance.enabled:
-            self.controller.update(stats.counts)
+            self.controller.update(counts)
         tokens = global_batch * phase.seq_len
         self.state.step += 1
         self.state.samples += global_batch
         self.state.tokens += tokens
         self.state.phase_tokens += tokens
-        counts = stats.counts.double()
+        counts = counts.double()
         expert_share = counts[:, :-1] / counts.sum(1, keepdim=True).clamp_min(1)
         return {
-            "loss": float(loss_sum / global_batch),
+            "loss": float(loss_total / global_batch),
             "grad_norm": float(grad_norm),
             "lr": self.optimizer.param_groups[0]["lr"],
             "lr_multiplier": lr_scale,
@@ -302,9 +290,36 @@ class Trainer:
             "phase": phase.name,
             "expert_load": expert_share.tolist(),
             "expert_imbalance": load_imbalance(counts).tolist(),
-            "router_entropy": (stats.entropy_sum / counts.sum(1).clamp_min(1)).tolist(),
+            "router_entropy": (entropy / counts.sum(1).clamp_min(1)).tolist(),
             "skip_rate": float(counts[:, -1].sum() / counts.sum().clamp_min(1)),
+            "optimizer_time": optimizer_time,
+            "peak_memory_bytes": memory,
+            "comm_bytes": sent,
         }
+
+    def _all_reduce(self, tensor: torch.Tensor, group=None) -> None:
+        all_reduce(tensor, group, self.parallel.counter, "trainer")
+
+    def _global_stats(self, stats: RouterStats, loss_sum: torch.Tensor):
+        """One all-reduce for everything the step reports: expert counts and router entropy (which the
+        controller needs globally), the summed loss, and each rank's peak memory and bytes sent this step
+        (the all-reduce's own included). Returns them summed over the ranks (per rank for the last two)."""
+        world, rank = self.launch.world_size, self.launch.rank
+        layers, routes = stats.counts.shape
+        packed = torch.zeros(layers * routes + layers + 1 + 2 * world, dtype=torch.float64, device=self.device)
+        packed[:layers * routes] = stats.counts.flatten()  # exact: counts stay far below 2^53
+        packed[layers * routes:layers * routes + layers] = stats.entropy_sum
+        packed[layers * routes + layers] = loss_sum
+        tail = layers * routes + layers + 1
+        packed[tail + rank] = peak_memory_bytes(self.device)
+        counter = self.parallel.counter
+        counter.all_reduce("trainer", packed.numel() * packed.element_size(), world)
+        packed[tail + world + rank] = sum(counter.take().values())
+        all_reduce(packed, None, None, "trainer")  # counted just above, before it was sent
+        counts = packed[:layers * routes].round().long().view(layers, routes)
+        memory = [int(v) for v in packed[tail:tail + world].tolist()]
+        sent = [int(v) for v in packed[tail + world:].tolist()]
+        return counts, packed[layers * routes:tail - 1], packed[tail - 1], memory, sent
 
     def _maybe_switch_phase(self) -> None:
         phase = self.phases[self.state.phase]
@@ -338,31 +353,38 @@ class Trainer:
                     loss = self.model.loss(micro[:, :-1], micro[:, 1:]).double()
                 total += loss * (micro.shape[0] / batch.shape[0])
             batches += 1
-        if self.dist.world_size > 1:
-            dist.all_reduce(total)
-            total /= self.dist.world_size
+        self._all_reduce(total)
+        total /= self.parallel.dp_size
         self.model.train()
         loss = float(total / max(1, batches))
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
     def run(self) -> dict:
         """Train to `train.max_steps`; returns the last metrics row."""
+        try:
+            return self._run()
+        finally:
+            parallel = getattr(self, "parallel", None)
+            if parallel is not None:
+                parallel.close()
+
+    def _run(self) -> dict:
         self._build()
         train, logging = self.config.train, self.config.logging
-        if self.dist.is_main:
+        if self.launch.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / CONFIG_FILE).write_text(json.dumps(self.config.to_dict(), indent=2), encoding="utf-8")
         self.manager.clean_uncommitted()
         self.metrics = MetricsLogger(self.run_dir, start_step=self.state.step, total_steps=train.max_steps,
                                      tensorboard=logging.tensorboard, progress=logging.progress,
-                                     enabled=self.dist.is_main)
+                                     enabled=self.launch.is_main)
         if self.state.step == 0:
             self._say("parameter groups:\n" + describe_param_groups(self.model, self.config.optim))
-        self._say(f"training on {self.device} ({vendor(self.device)}, {self.dist.world_size} process(es)), "
-                  f"{train.precision}; "
-                  f"peak {self.peak / 1e12:.2f} TFLOP/s ({self.peak_source})")
+        self._say(f"training on {self.device} ({vendor(self.device)}), {train.precision}; "
+                  f"{self.parallel.describe()}; peak {self.peak / 1e12:.2f} TFLOP/s per device ({self.peak_source})")
         self.model.train()
         last: dict = {}
+        peak = self.peak * self.launch.world_size
         try:
             while self.state.step < train.max_steps:
                 self.faults("step", self.state.step)
@@ -373,7 +395,7 @@ class Trainer:
                 seconds = time.perf_counter() - started
                 tokens_per_s = row["batch_size"] * self.phases[self.state.phase].seq_len / seconds
                 row.update(step=self.state.step, time=time.time(), step_time=seconds, tokens_per_s=tokens_per_s,
-                           mfu=tokens_per_s * self.flops_per_token / self.peak)
+                           mfu=tokens_per_s * self.flops_per_token / peak)
                 self._maybe_switch_phase()
                 step = self.state.step
                 if train.eval_every and (step % train.eval_every == 0 or step == train.max_steps):
@@ -391,21 +413,3 @@ class Trainer:
             self.metrics.close()
             self.loader.close()
         return last
-
-
-def _all_reduce_gradients(model: Zaya) -> None:
-    """Average gradients across ranks in one flat buffer per dtype (plain data parallelism)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    world = dist.get_world_size()
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for group in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in group])
-        dist.all_reduce(flat)
-        flat /= world
-        offset = 0
-        for grad in group:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-

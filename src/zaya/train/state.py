@@ -1,0 +1,110 @@
+"""What a training checkpoint's tensors are, and how they go in and out on any number of ranks.
+
+    model        the model's state dict from `torch.distributed.checkpoint.state_dict.get_state_dict`:
+                 parameter names (FQNs) as keys, and under FSDP2 DTensor shards, so that each rank writes
+                 and reads only its own part
+    optim        the optimizer's state tensors, keyed by parameter name rather than by index; everything else
+                 of its state dict (hyperparameters, group membership) is a JSON skeleton in
+                 train_state.json
+    controller   the balancing controller's state (small, the same on every rank)
+
+Loading reads into the state dicts of the model and the optimizer as the loading job built them, so DCP
+reshards on the way: a checkpoint written by N ranks loads on M, whatever the mesh (2 -> 1, 1 -> 3,
+HSDP -> FSDP).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from zaya.errors import ZayaError
+from zaya.train import checkpoint as ckpt
+from zaya.train.balance import ControllerState
+
+
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, controller_state: ControllerState
+            ) -> tuple[dict[str, dict[str, torch.Tensor]], Any]:
+    """The checkpoint's tensors ({"model", "optim", "controller"}) and the optimizer's JSON skeleton. The
+    tensors are the live ones (or views of them): write them before the next step changes them, or stage
+    them (async save)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    skeleton, optim_tensors = split_tensors(optim_state)
+    return {"model": model_state, "optim": optim_tensors, "controller": controller_state.state_dict()}, skeleton
+
+
+def restore(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            controller_state: ControllerState, skeleton: Any, process_group=None) -> None:
+    """Load checkpoint `directory` into `model`, `optimizer` and the controller, whatever the world size
+    that wrote it; `skeleton` is the optimizer skeleton saved with it."""
+    # a fresh optimizer has no state yet: torch's state-dict API makes it (a step with zero gradients and a
+    # zero learning rate, which changes no parameter), so there is a tensor of the right layout to load into
+    model_state, optim_state = get_state_dict(model, optimizer)
+    _, optim_tensors = split_tensors(optim_state)
+    wanted = _tensor_keys(skeleton)
+    missing = sorted(wanted - set(optim_tensors))
+    if missing:
+        raise ZayaError(f"{directory}: the checkpoint has optimizer state '{missing[0]}', which this model "
+                        f"and optimizer do not ({len(missing)} such tensors)")
+    tensors = {"model": model_state, "optim": {key: optim_tensors[key] for key in sorted(wanted)},
+               "controller": controller_state.state_dict()}
+    ckpt.load_tensors(directory, tensors, process_group=process_group)
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict=join_tensors(skeleton, tensors["optim"]))
+    controller_state.load_state_dict(tensors["controller"])
+
+
+def _tensor_keys(skeleton: Any) -> set[str]:
+    """The tensor keys a skeleton of `split_tensors` refers to."""
+    if "tensor" in skeleton:
+        return {skeleton["tensor"]}
+    if "dict" in skeleton:
+        children = [child for _, child in skeleton["dict"]]
+    else:
+        children = skeleton.get("list") or skeleton.get("tuple") or []
+    keys: set[str] = set()
+    for child in children:
+        keys |= _tensor_keys(child)
+    return keys
+
+
+def split_tensors(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Separate a nested structure into a JSON skeleton and its tensors (replaced by {"tensor": key})."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors[path] = node
+            return {"tensor": path}
+        if isinstance(node, dict):
+            return {"dict": [[_json_key(k), walk(v, f"{path}.{k}")] for k, v in node.items()]}
+        if isinstance(node, (list, tuple)):
+            kind = "tuple" if isinstance(node, tuple) else "list"
+            return {kind: [walk(v, f"{path}.{i}") for i, v in enumerate(node)]}
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return {"value": node}
+        raise TypeError(f"cannot checkpoint a {type(node).__name__} at '{path}'")
+
+    return walk(obj, prefix), tensors
+
+
+def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of `split_tensors`."""
+    if "tensor" in skeleton:
+        return tensors[skeleton["tensor"]]
+    if "dict" in skeleton:
+        return {k: join_tensors(v, tensors) for k, v in skeleton["dict"]}
+    if "list" in skeleton:
+        return [join_tensors(v, tensors) for v in skeleton["list"]]
+    if "tuple" in skeleton:
+        return tuple(join_tensors(v, tensors) for v in skeleton["tuple"])
+    return skeleton["value"]
+
+
+def _json_key(key: Any) -> Any:
+    if isinstance(key, (str, int)) and not isinstance(key, bool):
+        return key
+    raise TypeError(f"cannot checkpoint a dict key of type {type(key).__name__}")
