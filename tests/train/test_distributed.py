@@ -95,22 +95,27 @@ def _shards_by_rank(directory: Path) -> dict[int, int]:
     return {int(re.match(r"__(\d+)_", p.name).group(1)): p.stat().st_size for p in directory.glob("*.distcp")}
 
 
-@pytest.mark.parametrize("nproc_after", [1, 3])
-def test_a_two_rank_checkpoint_continues_on_another_world_size(dataset, tmp_path, nproc_after):
-    config = _config(tmp_path, dataset, train={"max_steps": 3}, checkpoint={"every": 3})
-    _train(config, tmp_path / "first", 2)
-    step3 = tmp_path / "first" / "checkpoints" / "step_00000003"
-    shards = _shards_by_rank(step3)
+def test_a_two_rank_checkpoint_holds_each_ranks_shards(dataset, tmp_path):
+    _train(_config(tmp_path, dataset, train={"max_steps": 2}, checkpoint={"every": 2}), tmp_path / "run", 2)
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    shards = _shards_by_rank(step)
     # both ranks wrote their own halves of the tensors, of about the same size
     assert set(shards) == {0, 1} and min(shards.values()) > 0.4 * max(shards.values())
-    metadata = ckpt.read_metadata(step3)
-    chunks = metadata.state_dict_metadata["model.blocks.0.attn.q_proj.weight"].chunks
-    assert len(chunks) == 2  # one per rank
-    for name, nproc in (("same", 2), ("other", nproc_after)):
+    metadata = ckpt.read_metadata(step)
+    for key in ("model.blocks.0.attn.q_proj.weight", "model.blocks.0.moe.experts.gate_up_proj",
+                "optim..state.blocks.0.moe.experts.down_proj.momentum_buffer"):
+        assert len(metadata.state_dict_metadata[key].chunks) == 2, key  # one piece per rank
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (2, 3), (1, 3)])
+def test_a_checkpoint_continues_on_another_world_size(dataset, tmp_path, before, after):
+    config = _config(tmp_path, dataset, train={"max_steps": 3}, checkpoint={"every": 3})
+    _train(config, tmp_path / "first", before)
+    for name, nproc in (("same", before), ("other", after)):
         shutil.copytree(tmp_path / "first", tmp_path / name)
         _train(config, tmp_path / name, nproc, "train.max_steps=6")
     log = (tmp_path / "other" / "train.log").read_text()
-    assert "resumed from" in log and "written by 2 rank(s)" in log
+    assert "resumed from" in log and f"written by {before} rank(s)" in log
     # continuing on another world size sees the same batches; what differs is the order of fp32 sums
     _assert_same_training(tmp_path / "other", tmp_path / "same", steps=[4, 5, 6])
     same = ckpt.read_json(tmp_path / "same" / "checkpoints" / "step_00000006" / ckpt.TRAIN_STATE_FILE)

@@ -1,0 +1,151 @@
+"""Sharded training on gloo ranks of this machine: training state per rank, bytes on the wire against FSDP2's
+theoretical volume, distributed Muon's extra traffic, and step time at 2 ranks against 1.
+
+    python benchmarks/dist_step.py [--preset tiny] [--ranks 1 2 4] [--batch 4] [--seq 128] [--steps 4]
+                                   [--precision fp32] [--ns-dtype float32]
+
+Each world size N runs in N fresh processes (one intra-op thread each, so that a rank has the same compute
+at every N), through the trainer's own pieces: `init_parallel`, `parallelize`, `build_optimizer`. The batch per
+rank is fixed (weak scaling). Printed per N, and as ratios against the named references:
+
+- training state per rank: the local shards of parameters, gradients and optimizer state; against the
+  one-rank figure / N (target: within 10%, beyond the replicated scalars such as AdamW's step counters);
+- bytes each rank sent in one step, counted at the collectives as they are issued (`zaya.parallel.comm`),
+  against FSDP2's theoretical volume (`fsdp_volume`: all-gathers in forward and backward, reduce-scatter of
+  the gradients; target <= 1.1);
+- distributed Muon's bytes against that volume, and the step's total against FSDP alone (Moonlight reports
+  1-1.25x of AdamW's data-parallel traffic for its distributed Muon);
+- seconds per step at N ranks against 1 rank.
+
+The defaults (fp32, fp32 Newton-Schulz) keep CPUs without native bf16 matmuls usable; `--precision bf16
+--ns-dtype bfloat16` measures the production setting's bytes (bf16 all-gathers, bf16 results from Muon).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common import header
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import zaya
+    from zaya.config import RunConfig
+    from zaya.optim import OptimConfig, build_optimizer
+    from zaya.parallel.dtensor import clip_grad_norm_, local, local_bytes
+    from zaya.parallel.fsdp import fsdp_volume, parallelize
+    from zaya.parallel.launch import Launch
+    from zaya.parallel.mesh import ParallelConfig, init_parallel
+
+    context = init_parallel(ParallelConfig(), torch.device("cpu"), Launch.from_env())
+    config = RunConfig()
+    config.train.precision = args.precision
+    model = parallelize(zaya.build_model(args.preset, seed=0), context.mesh, config, context.counter)
+    optimizer = build_optimizer(model, OptimConfig(ns_dtype=args.ns_dtype), comm=context.counter)
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(rank)
+    times, sent = [], []
+    for step in range(args.steps + 1):
+        ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=generator)
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = model.loss(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+        forward_backward = context.counter.take()
+        optimizer.step()
+        muon = context.counter.take()
+        if step:  # the first step builds the optimizer state and the owner plan
+            times.append(time.perf_counter() - started)
+            sent.append((forward_backward, muon))
+    params = list(model.parameters())
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    replicated = [t for t in state if local(t).numel() == t.numel() and t.dim() == 0]
+    result = {
+        "params": local_bytes(params), "grads": local_bytes([p.grad for p in params if p.grad is not None]),
+        "state": local_bytes(state), "replicated": local_bytes(replicated),
+        "times": times, "sent": sent,
+        "theory": fsdp_volume(zaya.build_model(args.preset, seed=0), world, 1, args.precision),
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    import gc
+
+    gc.collect()
+    context.close()
+
+
+def run(world: int, args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out:
+        context = mp.get_context("spawn")
+        port = _free_port()
+        processes = [context.Process(target=_rank, args=(r, world, port, args, out)) for r in range(world)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join()
+            if process.exitcode != 0:
+                raise SystemExit(f"a rank of the {world}-rank run failed (exit code {process.exitcode})")
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    header(f"sharded training, preset {args.preset}, {args.batch} x {args.seq} tokens per rank, {args.precision}, "
+           f"Newton-Schulz in {args.ns_dtype}, gloo, {os.cpu_count()} cores")
+    results = {world: run(world, args) for world in args.ranks}
+    one = results.get(1)
+    base = (one[0]["params"] + one[0]["grads"] + one[0]["state"] - one[0]["replicated"]) if one else None
+    seconds = {}
+    print(f"{'ranks':>5} {'state/rank MB':>14} {'vs 1-rank/N':>11} {'sent/rank MB':>13} {'FSDP theory MB':>15} "
+          f"{'measured/theory':>16} {'Muon MB':>8} {'Muon/FSDP':>10} {'(FSDP+Muon)/FSDP':>17} {'s/step':>7}")
+    for world, ranks in results.items():
+        sharded = max(r["params"] + r["grads"] + r["state"] - r["replicated"] for r in ranks)
+        fsdp = statistics.mean(sum(v for k, v in s[0].items() if k.startswith("fsdp_")) for r in ranks
+                               for s in r["sent"])
+        muon = statistics.mean(s[1].get("muon_gather", 0) + s[1].get("muon_scatter", 0) for r in ranks
+                               for s in r["sent"])
+        theory = ranks[0]["theory"]
+        seconds[world] = statistics.median(t for r in ranks for t in r["times"])
+        scale = f"{sharded / (base / world):11.3f}" if base else f"{'-':>11}"
+        ratio = f"{fsdp / theory:16.3f}" if theory else f"{'-':>16}"
+        extra = f"{muon / fsdp:10.3f} {(fsdp + muon) / fsdp:17.3f}" if fsdp else f"{'-':>10} {'-':>17}"
+        print(f"{world:>5} {sharded / 1e6:14.2f} {scale} {fsdp / 1e6:13.2f} {theory / 1e6:15.2f} {ratio} "
+              f"{muon / 1e6:8.2f} {extra} {seconds[world]:7.3f}")
+    if 1 in seconds and 2 in seconds:
+        print(f"step time, 2 ranks vs 1 rank (same batch per rank): {seconds[2]:.3f} s vs {seconds[1]:.3f} s, "
+              f"{seconds[1] / seconds[2]:.2f}x the per-rank throughput of one rank")
+
+
+if __name__ == "__main__":
+    main()
