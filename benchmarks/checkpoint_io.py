@@ -23,7 +23,7 @@ from pathlib import Path
 from common import header
 from trainer_overhead import make_dataset
 from zaya.config import load_config
-from zaya.train import checkpoint as ckpt
+from zaya.train.checkpoint_files import drop_from_page_cache, prewarm
 from zaya.train.metrics import read_metrics
 from zaya.train.trainer import Trainer
 
@@ -113,9 +113,9 @@ def main() -> None:
         (root / "run.toml").write_text(config_text(data, args.preset, steps, async_save=False))
         for label in ("cold page cache", "warm page cache"):
             if label.startswith("cold"):
-                ckpt.drop_from_page_cache(newest)
+                drop_from_page_cache(newest)
             else:
-                ckpt.prewarm(newest)
+                prewarm(newest)
                 time.sleep(1.0)
             start = time.time()
             result = subprocess.run([sys.executable, "-m", "zaya.cli", "train", str(root / "run.toml"),

@@ -11,16 +11,24 @@ import torch
 
 
 def machine() -> str:
-    """CPU model, core count and torch build, for the header every benchmark prints."""
+    """CPU model (with its family and model numbers and whether it has native bf16 instructions: virtual
+    machines often report only "AMD EPYC"), core count and torch build, for the header every benchmark prints."""
     cpu = platform.processor() or platform.machine()
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             for line in handle:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break  # the first processor's entry is enough
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    if "model name" in fields:
+        flags = fields.get("flags", "").split()
+        bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+        cpu = (f"{fields['model name']} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, "
+               f"{'native' if bf16 else 'no native'} bf16)")
     gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     threads = torch.get_num_threads()
     return f"{cpu}, {threads} threads{gpu}, torch {torch.__version__}, Python {platform.python_version()}"

@@ -55,6 +55,7 @@ from zaya.resilience.faults import FaultInjector
 from zaya.train import checkpoint as ckpt
 from zaya.train import state as train_state
 from zaya.train.balance import BalanceController, load_imbalance
+from zaya.train.checkpoint_files import prewarm
 from zaya.train.metrics import MetricsLogger
 
 CONFIG_FILE = "run_config.json"  # not config.json: that name marks a Hugging Face directory
@@ -166,7 +167,7 @@ class Trainer:
         self.parallel: ParallelContext = init_parallel(self.config.parallel, self.device, self.launch,
                                                        self.config.source)
         if self.resume_from is not None:
-            warm = threading.Thread(target=ckpt.prewarm, args=(self.resume_from,), daemon=True)
+            warm = threading.Thread(target=prewarm, args=(self.resume_from,), daemon=True)
             warm.start()  # the page cache fills while the model is being built
         torch.manual_seed(train.seed)
         with torch.device(self.device):
