@@ -1,10 +1,13 @@
 """Steady-state step time of `zaya train` against a bare training loop on the same model and batches.
 
-The bare loop is the least a step can do: take the next batch, forward + backward under bf16 autocast, clip,
-optimizer step. The trainer adds the batch ramp, phase bookkeeping, router statistics, metrics (logged every
-step here, the worst case) and the progress bar. Checkpoints and held-out evaluation are switched off for
-this measurement, and so is the balancing controller: it changes which experts the tokens go to, and with
-them the work of the MoE layers, which is not overhead. Run:
+The bare loop is the least a step can do: take the next batch, forward + backward (under bf16 autocast by
+default), clip, optimizer step, on the plain model. The trainer runs the model through `parallelize` (FSDP2
+on a one-rank mesh, the code path of every world size: parameters gathered into their compute copies,
+gradients reduced into the shards) and adds the batch ramp, phase bookkeeping, router statistics, the
+step's statistics all-reduce, metrics (logged every step here, the worst case) and the progress bar.
+Checkpoints and held-out evaluation are switched off for this measurement, and so is the balancing
+controller: it changes which experts the tokens go to, and with them the work of the MoE layers, which is
+not overhead. Run:
 
     python benchmarks/trainer_overhead.py [--preset tiny] [--steps 30] [--seq 256] [--batch 16]
 """
@@ -58,10 +61,11 @@ seq_len = {args.seq}
 max_steps = {args.steps}
 micro_batch_size = {args.batch}
 global_batch_size = {args.batch}
-precision = "bf16"
+precision = "{args.precision}"
 eval_every = 0
 [optim]
 lr = 0.003
+ns_dtype = "{args.ns_dtype}"
 [balance]
 enabled = false
 [checkpoint]
@@ -77,13 +81,13 @@ progress = true
 def bare_loop(config, data: Path, args) -> list[float]:
     torch.manual_seed(0)
     model = Zaya(config.model_config())
-    optimizer = build_optimizer(model, OptimConfig(lr=0.003))
+    optimizer = build_optimizer(model, OptimConfig(lr=0.003, ns_dtype=args.ns_dtype))
     loader = TokenLoader([(data, 1.0)], args.seq, seed=0)
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         batch = loader.next_batch(args.batch)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             loss = model.loss(batch[:, :-1], batch[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
@@ -101,8 +105,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the steady state")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                        help="fp32 on CPUs without native bf16 matmuls, where bf16 runs emulated")
+    parser.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
-    header(f"trainer overhead, preset {args.preset}, batch {args.batch} x {args.seq}, bf16 autocast")
+    header(f"trainer overhead, preset {args.preset}, batch {args.batch} x {args.seq}, {args.precision}, "
+           f"Newton-Schulz in {args.ns_dtype}")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data = make_dataset(root)

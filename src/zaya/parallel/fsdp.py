@@ -109,8 +109,11 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: RunConfig, counter: CommC
         low = torch.bfloat16 if bf16 and not unit.keep_fp32 else None
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if bf16 else None,
                                       cast_forward_inputs=False)
-        fully_shard(unit.module, mesh=dp_mesh, reshard_after_forward=unit.reshard_after_forward,
-                    shard_placement_fn=placement, mp_policy=policy)
+        # on one rank a shard is the whole tensor: freeing the gathered copy after forward saves nothing and
+        # costs a second gathering copy in backward
+        reshard = unit.reshard_after_forward and ranks > 1
+        fully_shard(unit.module, mesh=dp_mesh, reshard_after_forward=reshard, shard_placement_fn=placement,
+                    mp_policy=policy)
         if counter is not None:
             count_fsdp(unit.module, counter, replicas)
     register_fsdp_forward_method(model, "loss")
