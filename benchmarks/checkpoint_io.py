@@ -20,6 +20,8 @@ import time
 import warnings
 from pathlib import Path
 
+import torch.distributed as dist
+
 from common import header
 from trainer_overhead import make_dataset
 from zaya.config import load_config
@@ -30,7 +32,7 @@ from zaya.train.trainer import Trainer
 warnings.filterwarnings("ignore")
 
 
-def config_text(data: Path, preset: str, steps: int, async_save: bool) -> str:
+def config_text(data: Path, preset: str, steps: int, async_save: bool, precision: str = "bf16") -> str:
     return f"""
 [model]
 preset = "{preset}"
@@ -42,8 +44,10 @@ seq_len = 64
 max_steps = {steps}
 micro_batch_size = 2
 global_batch_size = 2
-precision = "bf16"
+precision = "{precision}"
 eval_every = 0
+[optim]
+ns_dtype = "{"float32" if precision == "fp32" else "bfloat16"}"
 [checkpoint]
 every = 1000000
 keep = 100
@@ -75,12 +79,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                        help="of the training step that makes the state (fp32 where bf16 matmuls are emulated)")
     args = parser.parse_args()
     header(f"checkpoint I/O, preset {args.preset} training state")
+    # a process group of our own, so that the trainer leaves it (and its sharded state) usable after run()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         root = Path(tmp)
         data = make_dataset(root)
-        (root / "run.toml").write_text(config_text(data, args.preset, 1, async_save=False))
+        (root / "run.toml").write_text(config_text(data, args.preset, 1, async_save=False, precision=args.precision))
         trainer = Trainer(load_config(root / "run.toml"), root / "run")
         trainer.run()  # one step: optimizer moments exist
         newest = trainer.manager.committed()[-1]
@@ -110,7 +118,8 @@ def main() -> None:
 
         # restart: a fresh process resumes from the newest checkpoint and runs one step
         steps = trainer.state.step + 1
-        (root / "run.toml").write_text(config_text(data, args.preset, steps, async_save=False))
+        (root / "run.toml").write_text(config_text(data, args.preset, steps, async_save=False,
+                                                   precision=args.precision))
         for label in ("cold page cache", "warm page cache"):
             if label.startswith("cold"):
                 drop_from_page_cache(newest)

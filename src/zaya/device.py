@@ -51,6 +51,12 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
     return device
 
 
+def pinned_host_memory() -> bool:
+    """Whether host buffers that an accelerator copies into should be pinned (page-locked): only where an
+    accelerator exists; a CPU build of torch cannot pin at all."""
+    return torch.cuda.is_available()
+
+
 def distributed_backend(device: torch.device) -> str:
     """The collective library for tensors on `device`: NCCL on GPUs (RCCL on ROCm builds, under the same
     name), gloo on the CPU."""

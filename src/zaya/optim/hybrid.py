@@ -288,6 +288,20 @@ class MuonAdamW(Optimizer):
             _validate_adamw_group(group, where)
 
     @torch.no_grad()
+    def init_state(self) -> None:
+        """Give every parameter the state its first step would (zero moments, step 0), without a step: what a
+        checkpoint is then loaded into. (torch's state-dict API otherwise runs a step with zero gradients,
+        which for Muon is a whole Newton-Schulz pass.)"""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if not self.state[param]:
+                    if group["algorithm"] == "muon":
+                        zeros = torch.zeros_like(param, memory_format=torch.preserve_format)
+                        self.state[param]["momentum_buffer"] = zeros
+                    else:
+                        self.state[param].update(_adamw_state(param))
+
+    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step of every group; returns the closure's loss, if given."""
         loss = run_closure(closure)
@@ -319,10 +333,7 @@ def _adamw_step(group: MutableMapping[str, Any], state: MutableMapping[Tensor, d
             raise ZayaError("AdamW: sparse gradients are not supported")
         param_state = state[param]
         if not param_state:
-            # torch.optim.AdamW's state layout, so either can resume from the other's state dict
-            param_state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-            param_state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            param_state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            param_state.update(_adamw_state(param))
         # elementwise: a DTensor's step is its local shard's
         params.append(local(param))
         grads.append(local(param.grad))
@@ -339,6 +350,13 @@ def _adamw_step(group: MutableMapping[str, Any], state: MutableMapping[Tensor, d
         amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
         eps=group["eps"], maximize=False,
     )  # fmt: skip
+
+
+def _adamw_state(param: Tensor) -> dict[str, Tensor]:
+    # torch.optim.AdamW's state layout, so either can resume from the other's state dict
+    return {"step": torch.tensor(0.0, dtype=_scalar_dtype()),
+            "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
 
 
 def _scalar_dtype() -> torch.dtype:

@@ -37,7 +37,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.staging import AsyncStager
 
+from zaya.device import pinned_host_memory
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
 from zaya.train.checkpoint_files import (
@@ -186,6 +189,46 @@ def _dcp_save(state: dict, directory: Path, process_group=None) -> None:
 # ---- training checkpoints -----------------------------------------------------------------------------
 
 
+class HostCopies(AsyncStager):
+    """The staging of async saves: host copies of the checkpoint's tensors, made once and refilled at every
+    save with one copy per tensor, after which training may change the originals. (DCP's default stager
+    makes new copies at every save, deep-copying each DTensor twice: measured, 4.2 s to stage the 888 MB
+    `small` training state against 0.2-0.4 s to refill these; its cached variant pins memory, which a CPU
+    build of torch cannot.) The copies are made again if the tensors' shapes or dtypes change."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._copies: dict | None = None
+        self._signature: tuple | None = None
+
+    def stage(self, state_dict: dict) -> dict:
+        signature = _signature(state_dict)
+        if signature != self._signature:
+            self._copies = _create_cpu_state_dict(state_dict, pin_memory=pinned_host_memory())
+            self._signature = signature
+        return _copy_state_dict(state_dict, self._copies)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: `stage` copies before it returns."""
+
+    def close(self) -> None:
+        self._copies = self._signature = None
+
+
+def _signature(state: dict, prefix: str = "") -> tuple:
+    items = []
+    for key, value in state.items():
+        if isinstance(value, dict):
+            items += _signature(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            items.append((prefix + key, tuple(value.shape), value.dtype, type(value).__name__))
+        else:
+            items.append((prefix + key, type(value).__name__))
+    return tuple(items)
+
+
+
 class CheckpointManager:
     """Saves and finds training checkpoints under `root` with the commit protocol of the module docstring.
 
@@ -201,6 +244,7 @@ class CheckpointManager:
         self.control_group = control_group
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
+        self._staging = HostCopies()
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
 
@@ -246,7 +290,7 @@ class CheckpointManager:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
-                                        process_group=self.control_group)
+                                        process_group=self.control_group, async_stager=self._staging)
             self._pending = threading.Thread(target=self._run_pending, args=(finish, future), daemon=True)
             self._pending.start()
         else:

@@ -40,8 +40,10 @@ def restore(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
             controller_state: ControllerState, skeleton: Any, process_group=None) -> None:
     """Load checkpoint `directory` into `model`, `optimizer` and the controller, whatever the world size
     that wrote it; `skeleton` is the optimizer skeleton saved with it."""
-    # a fresh optimizer has no state yet: torch's state-dict API makes it (a step with zero gradients and a
-    # zero learning rate, which changes no parameter), so there is a tensor of the right layout to load into
+    # a fresh optimizer has no state yet: it needs tensors of the right layout to load into (torch's
+    # state-dict API would otherwise make them with a step of zero gradients and learning rate)
+    if hasattr(optimizer, "init_state"):
+        optimizer.init_state()
     model_state, optim_state = get_state_dict(model, optimizer)
     _, optim_tensors = split_tensors(optim_state)
     wanted = _tensor_keys(skeleton)

@@ -97,22 +97,21 @@ class Trainer:
     # ---- checks that run before anything is written ------------------------------------------------------
 
     def _check_inputs(self) -> None:
-        train, source = self.config.train, self.config.source
-        replicate, shard, _ = self.config.parallel.shape(self.launch.world_size, source)
-        self.config.parallel.backend_for(self.device, source)
-        dp = replicate * shard
-        for size in self.ramp().sizes():
-            if size % dp:
+        train, where = self.config.train, self.config.source
+        replicate, shard, _ = self.config.parallel.shape(self.launch.world_size, where)
+        self.config.parallel.backend_for(self.device, where)
+        ramp = self.ramp()
+        for size in ramp.sizes():
+            if size % (replicate * shard):
                 key = "train.global_batch_size" if size == train.global_batch_size else "data.ramp_start"
-                raise ZayaError(f"{source}: key '{key}': a global batch of {size} sequences does not split "
-                                f"evenly over the {dp} data-parallel ranks (parallel.dp_replicate x dp_shard)")
+                raise ZayaError(f"{where}: key '{key}': a global batch of {size} sequences does not split evenly "
+                                f"over the {replicate * shard} data-parallel ranks (parallel.dp_replicate x dp_shard)")
         fingerprints = {}
         for phase in self.phases:
             datasets = [open_dataset(source.path) for source in phase.sources]  # clear errors if missing
             for dataset in datasets:
                 dataset.check_vocab(self.model_config.vocab_size)
             fingerprints[phase.name] = [dataset.fingerprint for dataset in datasets]
-        ramp = self.ramp()
         ramp.check_divisible(train.micro_batch_size, "train.micro_batch_size")
         # before the process group exists: rank 0 alone renames a bad checkpoint
         manager = ckpt.CheckpointManager(self.checkpoint_dir, keep=self.config.checkpoint.keep,
