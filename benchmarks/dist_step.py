@@ -15,7 +15,9 @@ rank is fixed (weak scaling). Printed per N, and as ratios against the named ref
   the gradients; target <= 1.1);
 - distributed Muon's bytes against that volume, and the step's total against FSDP alone (Moonlight reports
   1-1.25x of AdamW's data-parallel traffic for its distributed Muon);
-- seconds per step at N ranks against 1 rank.
+- seconds per step at N ranks against 1 rank;
+- the owner plan's balance of Newton-Schulz FLOPs (busiest rank / mean) for the `small` and `zaya1-base`
+  matrices on --plan-ranks ranks, computed from the shapes alone (meta device).
 
 The defaults (fp32, fp32 Newton-Schulz) keep CPUs without native bf16 matmuls usable; `--precision bf16
 --ns-dtype bfloat16` measures the production setting's bytes (bf16 all-gathers, bf16 results from Muon).
@@ -111,6 +113,25 @@ def run(world: int, args: argparse.Namespace) -> list[dict]:
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def plan_balance(presets: list[str], worlds: list[int]) -> None:
+    from zaya.model.presets import get_preset
+    from zaya.model.transformer import Zaya
+    from zaya.optim import split_parameters
+    from zaya.parallel.fsdp import shard_dim
+    from zaya.parallel.muon import MatrixLayout, plan_owners
+
+    for preset in presets:
+        with torch.device("meta"):
+            model = Zaya(get_preset(preset))
+        params = [p for spec in split_parameters(model) if spec.algorithm == "muon" for p in spec.params]
+        cells = []
+        for world in worlds:
+            plan = plan_owners(tuple(MatrixLayout(tuple(p.shape), shard_dim(tuple(p.shape), world))
+                                     for p in params), world)
+            cells.append(f"{world}: {plan.imbalance:.3f}")
+        print(f"Newton-Schulz FLOPs, busiest rank / mean, {preset:<11} " + "  ".join(cells) + "  (target <= 1.15)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -120,9 +141,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--plan-ranks", type=int, nargs="+", default=[2, 3, 4, 8, 32, 64])
     args = parser.parse_args()
     header(f"sharded training, preset {args.preset}, {args.batch} x {args.seq} tokens per rank, {args.precision}, "
            f"Newton-Schulz in {args.ns_dtype}, gloo, {os.cpu_count()} cores")
+    plan_balance(["small", "zaya1-base"], args.plan_ranks)
     results = {world: run(world, args) for world in args.ranks}
     one = results.get(1)
     base = (one[0]["params"] + one[0]["grads"] + one[0]["state"] - one[0]["replicated"]) if one else None
