@@ -30,6 +30,7 @@ from zaya.model.config import ZayaConfig
 from zaya.model.presets import PRESETS, get_preset
 from zaya.optim import OptimConfig
 from zaya.optim.schedule import ScheduleConfig
+from zaya.parallel.fsdp import ACTIVATION_CHECKPOINTING
 from zaya.parallel.mesh import ParallelConfig
 
 # keys that moved: a config that still uses one is told where it went
@@ -284,9 +285,9 @@ def _validate(config: RunConfig) -> None:
         _positive(config, f"train.{key}", getattr(train, key))
     _positive(config, "train.eval_every", train.eval_every, allow_zero=True)
     _positive(config, "train.grad_clip", train.grad_clip, allow_zero=True)
-    if train.activation_checkpointing not in ("none", "full", "moe"):
-        raise ZayaError(f"{config.source}: key 'train.activation_checkpointing' must be 'none', 'full' or 'moe', "
-                        f"got {train.activation_checkpointing!r}")
+    if train.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise ZayaError(f"{config.source}: key 'train.activation_checkpointing' must be one of "
+                        f"{', '.join(ACTIVATION_CHECKPOINTING)}, got {train.activation_checkpointing!r}")
     config.parallel.validate(config.source)
     if train.precision not in ("bf16", "fp32"):
         raise ZayaError(f"{config.source}: key 'train.precision' must be 'bf16' or 'fp32', got {train.precision!r}")
