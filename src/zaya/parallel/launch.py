@@ -49,10 +49,9 @@ class Launch:
     def from_env(cls, env: dict[str, str] | None = None) -> Launch:
         """The launcher's description of this process (one process when there is none)."""
         env = os.environ if env is None else env
-        world_size = int(env.get("WORLD_SIZE", "1"))
-        if world_size <= 1:
-            return cls()
-        return cls(rank=int(env["RANK"]), world_size=world_size, local_rank=int(env.get("LOCAL_RANK", "0")),
+        world_size = max(1, int(env.get("WORLD_SIZE", "1")))
+        return cls(rank=int(env.get("RANK", "0")) if world_size > 1 else 0, world_size=world_size,
+                   local_rank=int(env.get("LOCAL_RANK", "0")),
                    restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     @property
