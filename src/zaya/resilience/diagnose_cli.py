@@ -1,0 +1,48 @@
+"""`zaya diagnose`: name the root cause of a failed run from its logs.
+
+    zaya diagnose worker0.log worker1.log dmesg.txt
+    journalctl -k --since -1h | zaya diagnose -
+    zaya diagnose --json run/logs/*.log
+
+It prints one line (the root class, what it means, where, and the evidence) and how many cascade lines (the
+watchdog timeouts, aborts and lost peers that followed) it set aside. The exit status is 0 whatever it
+finds: the command reports, it does not judge. Only unreadable input is an error.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import click
+
+from zaya.resilience.diagnose import classify_streams, log_lines
+
+STDIN = "-"
+
+
+@click.command()
+@click.argument("logs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as one JSON object.")
+def diagnose(logs: tuple[Path, ...], as_json: bool) -> None:
+    """Attribute a training failure to its root cause (a GPU Xid, ECC error or hang, a NIC or PCIe fault,
+    out of memory, a NaN loss, storage, a Python exception) rather than to the timeouts it caused. LOGS are
+    worker logs and kernel logs, read in the order given; '-' reads standard input."""
+    diagnosis = classify_streams(_input(path) for path in logs)
+    if as_json:
+        click.echo(json.dumps(diagnosis.to_dict()))
+        return
+    click.echo(diagnosis.one_line())
+    total = max(diagnosis.cascade_total, len(diagnosis.cascade))
+    if total:
+        click.echo(f"cascade: {total} line(s) that follow from a failure (timeouts, aborts, lost peers); "
+                   f"the first: {diagnosis.cascade[0]}")
+
+
+def _input(path: Path) -> tuple[str, Iterable[str]]:
+    if str(path) == STDIN:
+        # Bytes, decoded here: a log with binary junk in it is still a log.
+        return "<stdin>", io.TextIOWrapper(click.get_binary_stream("stdin"), encoding="utf-8", errors="replace")
+    return str(path), log_lines(path)
