@@ -1,0 +1,105 @@
+"""The worker command the supervisor runs: plain `zaya train ...` or `torchrun ... zaya train ...`, and how it
+is rewritten to run on fewer GPUs or nodes.
+
+    torchrun --nnodes 2 --nproc-per-node 8 ...   cordon GPU 3 -> --nproc-per-node 7, visible GPUs 0-2,4-7
+                                                 cordon a node -> --nnodes 1 (an elastic "1:2" -> "1:1")
+
+Both spellings torchrun accepts are understood (`--nproc-per-node 8`, `--nproc_per_node=8`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from zaya.errors import ZayaError
+
+NPROC = ("--nproc-per-node", "--nproc_per_node")
+NNODES = ("--nnodes",)
+
+
+def _is_torchrun(argv: list[str]) -> bool:
+    name = Path(argv[0]).name
+    if name == "torchrun":
+        return True
+    return name.startswith("python") and argv[1:3] == ["-m", "torch.distributed.run"]
+
+
+def _find(argv: list[str], names: tuple[str, ...]) -> tuple[int, str | None, bool]:
+    """Where the option is (index of its value), its value, and whether it was written `--name=value`."""
+    for index, arg in enumerate(argv):
+        for name in names:
+            if arg == name and index + 1 < len(argv):
+                return index + 1, argv[index + 1], False
+            if arg.startswith(name + "="):
+                return index, arg.split("=", 1)[1], True
+    return -1, None, False
+
+
+def _set(argv: list[str], names: tuple[str, ...], value: str, insert_at: int) -> list[str]:
+    argv = list(argv)
+    index, _, joined = _find(argv, names)
+    if index < 0:
+        argv[insert_at:insert_at] = [names[0], value]
+    elif joined:
+        argv[index] = f"{argv[index].split('=', 1)[0]}={value}"
+    else:
+        argv[index] = value
+    return argv
+
+
+@dataclass
+class WorkerCommand:
+    argv: list[str]
+
+    def __post_init__(self):
+        if not self.argv:
+            raise ZayaError("zaya supervise: no command given (zaya supervise [OPTIONS] -- COMMAND...)")
+        program = self.argv[0]
+        if shutil.which(program) is None and not (os.sep in program and os.access(program, os.X_OK)):
+            raise ZayaError(f"zaya supervise: command '{program}' not found")
+
+    @property
+    def torchrun(self) -> bool:
+        return _is_torchrun(self.argv)
+
+    @property
+    def _options_at(self) -> int:
+        return 3 if Path(self.argv[0]).name.startswith("python") else 1  # after `torchrun`, `python -m ...`
+
+    def nproc_per_node(self) -> int | None:
+        """The processes per node as a number (None for a plain command or torchrun's "gpu"/"auto")."""
+        if not self.torchrun:
+            return None
+        _, value, _ = _find(self.argv, NPROC)
+        if value is None:
+            return 1
+        return int(value) if value.isdigit() else None
+
+    def nnodes(self) -> tuple[int, int]:
+        """torchrun's (min, max) nodes; (1, 1) for a plain command."""
+        if not self.torchrun:
+            return 1, 1
+        _, value, _ = _find(self.argv, NNODES)
+        if value is None:
+            return 1, 1
+        low, _, high = value.partition(":")
+        try:
+            return int(low), int(high or low)
+        except ValueError:
+            raise ZayaError(f"zaya supervise: torchrun --nnodes '{value}' is not N or MIN:MAX") from None
+
+    def resized(self, nproc: int | None, nodes: int | None) -> list[str]:
+        """The command for `nproc` processes per node and at most `nodes` nodes (None: unchanged)."""
+        argv = list(self.argv)
+        if not self.torchrun:
+            return argv
+        if nproc is not None:
+            argv = _set(argv, NPROC, str(nproc), self._options_at)
+        if nodes is not None:
+            low, high = self.nnodes()
+            value = str(nodes) if low == high else f"{min(low, nodes)}:{nodes}"
+            argv = _set(argv, NNODES, value, self._options_at)
+        return argv
