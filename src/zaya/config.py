@@ -119,6 +119,8 @@ class LoggingSection:
     log_every: int = 1
     tensorboard: bool = True
     progress: bool = True
+    # append each step's global sample positions to RUN_DIR/samples.jsonl: a record of what was trained on
+    record_samples: bool = False
 
 
 @dataclass

@@ -65,6 +65,7 @@ class _Chunk:
     sources: np.ndarray  # this rank's rows of all the batches: (source, sample) of each
     samples: np.ndarray
     advice: concurrent.futures.Future | None  # the background request to read its new blocks into memory
+    positions: np.ndarray  # [batches, batch_size] global positions of the order, every rank's
     rows: np.ndarray | None = None  # [batches * share, seq_len + 1] tokens as stored, once gathered
     taken: int = 0
 
@@ -131,6 +132,8 @@ class TokenLoader:
         self._prefetch = max(0, prefetch)
         self._pending: deque[_Chunk] = deque()
         self._last_blocks = np.zeros(0, dtype=np.int64)
+        # the global positions of the last batch handed out (all ranks' rows): the record of what was trained
+        self.last_positions = np.zeros(0, dtype=np.int64)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zaya-data")
 
     # ---- state ----------------------------------------------------------------------------------------
@@ -206,6 +209,7 @@ class TokenLoader:
         share = global_batch_size // self.world_size
         rows = chunk.rows[chunk.taken * share:(chunk.taken + 1) * share]
         batch = torch.from_numpy(rows.astype(np.int64))
+        self.last_positions = chunk.positions[chunk.taken]
         self._consumed = chunk.stops[chunk.taken]
         chunk.taken += 1
         if chunk.taken == len(chunk.stops):
@@ -234,7 +238,7 @@ class TokenLoader:
         fresh = np.setdiff1d(blocks, self._last_blocks, assume_unique=True)
         self._last_blocks = blocks
         advice = self._executor.submit(self._advise, fresh) if len(fresh) else None
-        self._pending.append(_Chunk(start, batch_size, stops, sources, samples, advice))
+        self._pending.append(_Chunk(start, batch_size, stops, sources, samples, advice, grid))
 
     def _advise(self, blocks: np.ndarray) -> None:
         """Ask the OS to read these (source << _SOURCE_SHIFT | block) blocks into memory."""

@@ -1,27 +1,39 @@
 """Test-only fault injection: make a training process fail in a chosen way at a chosen point.
 
-Set `ZAYA_FAULTS` to a comma-separated list of `ACTION@EVENT:STEP[@rank=R][@attempt=A]`, for example
+Set `ZAYA_FAULTS` to a comma-separated list of `ACTION[=VALUE]@EVENT:STEP[@rank=R][@attempt=A][@run=N]`:
 
-    ZAYA_FAULTS="sigkill@step:7"                 die (SIGKILL) just before optimizer step 7
-    ZAYA_FAULTS="sigkill@checkpoint-written:6"   die after checkpoint 6's files are written, before its commit
-    ZAYA_FAULTS="raise@step:3"                   raise an exception before step 3
-    ZAYA_FAULTS="sigkill@step:5@rank=1@attempt=0"   only rank 1 of a job, only before torchrun's first restart
+    sigkill@step:7                  die (SIGKILL) just before optimizer step 7 (the 8th)
+    sigkill@checkpoint-written:6    die after checkpoint 6's files are written, before its commit
+    raise@step:3                    raise an exception (a crash) before step 3
+    sigstop@step:4@rank=1           rank 1 stops itself (SIGSTOP): a hang, as a stuck kernel looks from outside
+    slow=0.5@step:2@rank=1          rank 1 sleeps 0.5 s in its own work of every step from step 2 on
+    nan@step:5                      step 5's loss is NaN (so are its gradients)
+    spike=8@step:5                  step 5's loss (and its gradients) are multiplied by 8
+    corrupt@committed:4             flip bytes in one tensor shard of checkpoint 4 right after its commit
+    print@step:3                    print the line in `ZAYA_FAULT_LINE` on stderr (a fake kernel or NCCL line)
 
-Events: `step` (before an optimizer step), `checkpoint` (before a save starts), `checkpoint-written` (files
-written, not yet committed), `committed` (after the commit). Actions: `sigkill`, `raise`. Nothing happens
-unless the variable is set, so production runs are unaffected.
+Qualifiers: `rank` (one rank only), `attempt` (torchrun's restart count), `run` (the supervisor's restart count,
+`ZAYA_RUN_ATTEMPT`). Events: `step` (before an optimizer step), `checkpoint` (before a save starts),
+`checkpoint-written` (files written, not yet committed), `committed` (after the commit). Nothing happens unless
+the variable is set, so production runs are unaffected.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from zaya.errors import ZayaError
 
 ENV = "ZAYA_FAULTS"
-ACTIONS = ("sigkill", "raise")
+LINE_ENV = "ZAYA_FAULT_LINE"
+RUN_ENV = "ZAYA_RUN_ATTEMPT"
+ACTIONS = ("sigkill", "raise", "sigstop", "slow", "nan", "spike", "corrupt", "print")
+VALUED = {"slow": 0.5, "spike": 8.0}  # actions that take a value, and its default
 EVENTS = ("step", "checkpoint", "checkpoint-written", "committed")
 
 
@@ -36,22 +48,29 @@ class Fault:
     step: int
     rank: int | None = None  # None: every rank
     attempt: int | None = None  # torchrun's restart count; None: every attempt
+    value: float = 0.0
+    run: int | None = None  # the supervisor's restart count; None: every run
 
 
 def parse_faults(text: str) -> list[Fault]:
-    """Parse `ACTION@EVENT:STEP[@rank=R][@attempt=A][,...]`, refusing anything else with a clear message."""
+    """Parse the `ZAYA_FAULTS` syntax, refusing anything else with a clear message."""
     faults = []
+    syntax = "ACTION[=VALUE]@EVENT:STEP[@rank=R][@attempt=A][@run=N]"
     for item in filter(None, (part.strip() for part in text.split(","))):
         try:
             action, rest, *qualifiers = item.split("@")
+            action, _, value = action.partition("=")
             event, step = rest.rsplit(":", 1)
             where = dict(q.split("=", 1) for q in qualifiers)
-            if set(where) - {"rank", "attempt"}:
+            if set(where) - {"rank", "attempt", "run"}:
                 raise ValueError
-            rank, attempt = (int(where[key]) if key in where else None for key in ("rank", "attempt"))
-            fault = Fault(action, event, int(step), rank, attempt)
+            rank, attempt, run = (int(where[key]) if key in where else None for key in ("rank", "attempt", "run"))
+            if value and action not in VALUED:
+                raise ValueError
+            fault = Fault(action, event, int(step), rank, attempt, float(value) if value else VALUED.get(action, 0.0),
+                          run)
         except ValueError:
-            raise ZayaError(f"{ENV}: '{item}' is not ACTION@EVENT:STEP[@rank=R][@attempt=A]") from None
+            raise ZayaError(f"{ENV}: '{item}' is not {syntax}") from None
         if fault.action not in ACTIONS or fault.event not in EVENTS:
             raise ZayaError(f"{ENV}: '{item}': actions are {', '.join(ACTIONS)}, events {', '.join(EVENTS)}")
         faults.append(fault)
@@ -59,15 +78,73 @@ def parse_faults(text: str) -> list[Fault]:
 
 
 class FaultInjector:
-    """Fires the faults of `ZAYA_FAULTS` (read once, at construction) meant for this `rank` and `attempt`."""
+    """Fires the faults of `ZAYA_FAULTS` (read once, at construction) meant for this rank and attempt."""
 
-    def __init__(self, text: str | None = None, *, rank: int = 0, attempt: int = 0):
+    def __init__(self, text: str | None = None, *, rank: int = 0, attempt: int = 0, run: int | None = None):
         faults = parse_faults(os.environ.get(ENV, "") if text is None else text)
-        self.faults = [f for f in faults if f.rank in (None, rank) and f.attempt in (None, attempt)]
+        run = int(os.environ.get(RUN_ENV, "0") or 0) if run is None else run
+        self.faults = [f for f in faults
+                       if f.rank in (None, rank) and f.attempt in (None, attempt) and f.run in (None, run)]
+        self._fired: set[Fault] = set()
 
-    def __call__(self, event: str, step: int) -> None:
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def __call__(self, event: str, step: int, path: Path | None = None) -> None:
         for fault in self.faults:
-            if fault.event == event and fault.step == step:
-                if fault.action == "sigkill":
-                    os.kill(os.getpid(), signal.SIGKILL)
+            if fault.event != event:
+                continue
+            if fault.action == "slow" and step >= fault.step:
+                time.sleep(fault.value)
+            if fault.step != step:
+                continue
+            if fault.action in ("sigkill", "sigstop", "raise"):
+                _announce(fault, step)
+            if fault.action == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.action == "sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif fault.action == "raise":
                 raise InjectedFault(f"injected fault at {event} {step}")
+            elif fault.action == "print":
+                print(os.environ.get(LINE_ENV, f"injected log line at {event} {step}"), file=sys.stderr, flush=True)
+            elif fault.action == "corrupt" and path is not None:
+                corrupt_shard(path)
+
+    def loss_factor(self, step: int) -> float:
+        """What step `step`'s loss is multiplied by (1.0 unless a `nan` or `spike` fault is set for it). Each
+        fires once per process: a step trained again after a rollback is clean, as after a real spike."""
+        factor = 1.0
+        for fault in self.faults:
+            if fault.event == "step" and fault.step == step and fault not in self._fired:
+                if fault.action == "nan":
+                    factor = float("nan")
+                elif fault.action == "spike":
+                    factor *= fault.value
+                else:
+                    continue
+                self._fired.add(fault)
+                _announce(fault, step)
+        return factor
+
+
+def _announce(fault: Fault, step: int) -> None:
+    """One line on stderr when a fault fires, with its wall time: the start of the clock for recovery figures."""
+    print(f"zaya fault: {fault.action} at {fault.event} {step} pid {os.getpid()} time {time.time():.3f}",
+          file=sys.stderr, flush=True)
+
+
+def corrupt_shard(checkpoint: Path) -> Path:
+    """Flip bytes in the middle of the largest tensor file of a checkpoint directory (its CRC then fails)."""
+    files = sorted((p for p in Path(checkpoint).glob("*.safetensors")), key=lambda p: p.stat().st_size)
+    if not files:
+        files = sorted((p for p in Path(checkpoint).rglob("*") if p.is_file() and p.suffix not in (".json",)),
+                       key=lambda p: p.stat().st_size)
+    target = files[-1]
+    with open(target, "r+b") as handle:
+        size = target.stat().st_size
+        handle.seek(size // 2)
+        chunk = handle.read(64)
+        handle.seek(size // 2)
+        handle.write(bytes(b ^ 0xFF for b in chunk))
+    return target

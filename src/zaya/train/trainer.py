@@ -7,11 +7,14 @@ One optimizer step:
     for each micro-batch: loss = CE(model(x), y) * share;  loss.backward()   (FSDP2 reduce-scatters the
                                                           gradients; bf16 autocast, fp32 master shards)
     clip the global norm;  lr = initial_lr * schedule(step) * phase scale;  optimizer.step()
+                                                         (not taken if the norm is not finite)
     one all-reduce of the step's statistics;  balancing controller.update(global expert counts)
+    the training signals: a loss spike rolls back to the last checkpoint (zaya.train.signals)
     phase switch once its token budget is spent;  metrics;  held-out eval;  checkpoint
 
 The model is sharded from outside (`zaya.parallel.parallelize`) on one rank as on many: the same code path,
-no gradient all-reduce of its own. A resumed run restores the model, optimizer, controller, loader position,
+no gradient all-reduce of its own. Under `zaya supervise` each rank writes a heartbeat as it enters a
+section (init, checkpoint_load, step, eval, checkpoint_save, done). A resumed run restores the model, optimizer, controller, loader position,
 RNG states and phase from the newest valid checkpoint, written on any number of ranks, and on the CPU
 continues bitwise-identically on the same mesh: nothing in the step depends on anything else.
 """
@@ -52,15 +55,21 @@ from zaya.parallel.fsdp import parallelize
 from zaya.parallel.launch import Launch
 from zaya.parallel.mesh import ParallelContext, init_parallel
 from zaya.resilience.faults import FaultInjector
+from zaya.resilience.heartbeat import Heartbeat
+from zaya.resilience.incidents import IncidentLog
+from zaya.resilience.policy import Policy
+from zaya.resilience.signals import SpikeDetector, as_ranges
 from zaya.train import checkpoint as ckpt
 from zaya.train import state as train_state
 from zaya.train.balance import BalanceController, load_imbalance
 from zaya.train.checkpoint_files import prewarm
 from zaya.train.metrics import MetricsLogger
+from zaya.train.signals import TrainingSignals
 
 CONFIG_FILE = "run_config.json"  # not config.json: that name marks a Hugging Face directory
 LOG_FILE = "train.log"
 RANK_LOG = "logs/rank-{}.log"  # the other ranks' messages, one file each
+SAMPLES_FILE = "samples.jsonl"  # with logging.record_samples: the global positions each step trained on
 
 
 @dataclass
@@ -76,7 +85,7 @@ class TrainState:
     fingerprints: dict[str, list[str]] = field(default_factory=dict)  # data fingerprints per phase name
 
 
-class Trainer:
+class Trainer(TrainingSignals):
     """Runs a `RunConfig` in `run_dir`, resuming from its newest valid checkpoint if there is one."""
 
     def __init__(self, config: RunConfig, run_dir: Path, *, allow_data_change: bool = False,
@@ -87,6 +96,14 @@ class Trainer:
         self.launch = launch or Launch.from_env()
         # test-only; inert unless ZAYA_FAULTS is set
         self.faults = FaultInjector(rank=self.launch.rank, attempt=self.launch.restart)
+        # the supervisor's channels; inert without it (no heartbeat file, the built-in policy)
+        self.heartbeat = Heartbeat.from_env(self.launch.rank)
+        self.heartbeat.beat("init", 0)
+        self.policy = Policy.from_env()
+        self.incidents = IncidentLog.for_trainer(self.run_dir)
+        self.spikes = SpikeDetector(self.policy.training)
+        self._windows: list[tuple[int, int]] = []  # consumed samples before and after each recent step
+        self._skipped_in_row = 0
         self.model_config = config.model_config()
         self.phases = config.resolved_phases()
         device = resolve_device(None if config.train.device == "auto" else config.train.device)
@@ -181,6 +198,7 @@ class Trainer:
                                               control_group=self.parallel.control_group)
         self.state = TrainState()
         if self.resume_from is not None:
+            self.heartbeat.beat("checkpoint_load", 0)
             self._restore(self.resume_from)
         self.loader = self._loader(self.state.phase)
         if self.phases[self.state.phase].rope_theta:
@@ -221,7 +239,7 @@ class Trainer:
         self.manager.save(step, tensors, saved_state, info, extra_files=[tokenizer],
                           async_save=self.config.checkpoint.async_save,
                           on_written=lambda: self.faults("checkpoint-written", step),
-                          on_commit=lambda path: self.faults("committed", step))
+                          on_commit=lambda path: self.faults("committed", step, path))
         self._say(f"checkpoint step {step} {'staged' if self.config.checkpoint.async_save else 'saved'} in "
                   f"{time.perf_counter() - started:.2f} s")
 
@@ -248,8 +266,16 @@ class Trainer:
         """One optimizer step; returns its metrics (global: the same on every rank)."""
         train = self.config.train
         phase = self.phases[self.state.phase]
+        step = self.state.step
+        host_started = time.perf_counter()
+        self.faults("step", step)
         global_batch = self.ramp().at(self.state.samples)
+        before = self.loader.consumed_samples
         batch = self.loader.next_batch(global_batch).to(self.device, non_blocking=True)
+        keep = self.policy.training.spike_skip_steps
+        self._windows = [*self._windows, (before, self.loader.consumed_samples)][-keep:] if keep else []
+        host_time = time.perf_counter() - host_started  # before the first collective: nobody waits here
+        factor = self.faults.loss_factor(step) if self.faults else 1.0
         stats = RouterStats(len(self.model.blocks), self.model_config.num_experts + 1, self.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -258,6 +284,8 @@ class Trainer:
             micro = batch[start:start + train.micro_batch_size]
             with self._autocast():
                 loss = self.model.loss(micro[:, :-1], micro[:, 1:], router_stats=stats)
+                if factor != 1.0:  # an injected NaN or spike
+                    loss = loss * factor
             with stats.paused():  # checkpointed blocks route again in backward
                 (loss * (micro.shape[0] / rows)).backward()
             loss_sum += loss.detach().double() * micro.shape[0]
@@ -265,13 +293,19 @@ class Trainer:
         grad_norm = clip_grad_norm_(params, train.grad_clip, self._all_reduce)
         lr_scale = self.config.schedule.multiplier(self.state.step) * phase.lr_scale
         set_lr_multiplier(self.optimizer, lr_scale)
+        # the norm is global, so every rank takes the same branch
+        skipped = not bool(torch.isfinite(grad_norm)) and self._skip_nonfinite(step, float(grad_norm))
         synchronize(self.device)
         started = time.perf_counter()
-        self.optimizer.step()
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)  # parameters and optimizer state stay as they were
+        else:
+            self.optimizer.step()
+            self._skipped_in_row = 0
         synchronize(self.device)
         optimizer_time = time.perf_counter() - started
-        counts, entropy, loss_total, memory, sent = self._global_stats(stats, loss_sum)
-        if self.config.balance.enabled:
+        counts, entropy, loss_total, memory, sent, host_times = self._global_stats(stats, loss_sum, host_time)
+        if self.config.balance.enabled and not skipped:
             self.controller.update(counts)
         tokens = global_batch * phase.seq_len
         self.state.step += 1
@@ -295,18 +329,21 @@ class Trainer:
             "optimizer_time": optimizer_time,
             "peak_memory_bytes": memory,
             "comm_bytes": sent,
+            "host_time": host_times,
+            "skipped": skipped,
         }
 
     def _all_reduce(self, tensor: torch.Tensor, group=None) -> None:
         all_reduce(tensor, group, self.parallel.counter, "trainer")
 
-    def _global_stats(self, stats: RouterStats, loss_sum: torch.Tensor):
+    def _global_stats(self, stats: RouterStats, loss_sum: torch.Tensor, host_time: float):
         """One all-reduce for everything the step reports: expert counts and router entropy (which the
-        controller needs globally), the summed loss, and each rank's peak memory and bytes sent this step
-        (the all-reduce's own included). Returns them summed over the ranks (per rank for the last two)."""
+        controller needs globally), the summed loss, and each rank's peak memory, bytes sent this step (the
+        all-reduce's own included) and host time. Returns them summed over the ranks (per rank for the last
+        three)."""
         world, rank = self.launch.world_size, self.launch.rank
         layers, routes = stats.counts.shape
-        packed = torch.zeros(layers * routes + layers + 1 + 2 * world, dtype=torch.float64, device=self.device)
+        packed = torch.zeros(layers * routes + layers + 1 + 3 * world, dtype=torch.float64, device=self.device)
         packed[:layers * routes] = stats.counts.flatten()  # exact: counts stay far below 2^53
         packed[layers * routes:layers * routes + layers] = stats.entropy_sum
         packed[layers * routes + layers] = loss_sum
@@ -315,11 +352,13 @@ class Trainer:
         counter = self.parallel.counter
         counter.all_reduce("trainer", packed.numel() * packed.element_size(), world)
         packed[tail + world + rank] = sum(counter.take().values())
+        packed[tail + 2 * world + rank] = host_time
         all_reduce(packed, None, None, "trainer")  # counted just above, before it was sent
         counts = packed[:layers * routes].round().long().view(layers, routes)
         memory = [int(v) for v in packed[tail:tail + world].tolist()]
-        sent = [int(v) for v in packed[tail + world:].tolist()]
-        return counts, packed[layers * routes:tail - 1], packed[tail - 1], memory, sent
+        sent = [int(v) for v in packed[tail + world:tail + 2 * world].tolist()]
+        host = packed[tail + 2 * world:].tolist()
+        return counts, packed[layers * routes:tail - 1], packed[tail - 1], memory, sent, host
 
     def _maybe_switch_phase(self) -> None:
         phase = self.phases[self.state.phase]
@@ -336,6 +375,11 @@ class Trainer:
             self._say(f"step {self.state.step}: phase '{phase.name}' done after {self.state.tokens:,} tokens; "
                       f"starting '{nxt.name}' (seq_len {nxt.seq_len}"
                       f"{f', rope_theta {nxt.rope_theta:g}' if nxt.rope_theta else ''})")
+
+    def _open_metrics(self) -> MetricsLogger:
+        train, logging = self.config.train, self.config.logging
+        return MetricsLogger(self.run_dir, start_step=self.state.step, total_steps=train.max_steps,
+                             tensorboard=logging.tensorboard, progress=logging.progress, enabled=self.launch.is_main)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -375,9 +419,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / CONFIG_FILE).write_text(json.dumps(self.config.to_dict(), indent=2), encoding="utf-8")
         self.manager.clean_uncommitted()
-        self.metrics = MetricsLogger(self.run_dir, start_step=self.state.step, total_steps=train.max_steps,
-                                     tensorboard=logging.tensorboard, progress=logging.progress,
-                                     enabled=self.launch.is_main)
+        self.metrics = self._open_metrics()
         if self.state.step == 0:
             self._say("parameter groups:\n" + describe_param_groups(self.model, self.config.optim))
         self._say(f"training on {self.device} ({vendor(self.device)}), {train.precision}; "
@@ -387,7 +429,7 @@ class Trainer:
         peak = self.peak * self.launch.world_size
         try:
             while self.state.step < train.max_steps:
-                self.faults("step", self.state.step)
+                self.heartbeat.beat("step", self.state.step)
                 synchronize(self.device)
                 started = time.perf_counter()
                 row = self.train_step()
@@ -396,19 +438,28 @@ class Trainer:
                 tokens_per_s = row["batch_size"] * self.phases[self.state.phase].seq_len / seconds
                 row.update(step=self.state.step, time=time.time(), step_time=seconds, tokens_per_s=tokens_per_s,
                            mfu=tokens_per_s * self.flops_per_token / peak)
+                if logging.record_samples and self.launch.is_main:
+                    with (self.run_dir / SAMPLES_FILE).open("a", encoding="utf-8") as handle:
+                        handle.write(json.dumps({"step": self.state.step,
+                                                 "positions": as_ranges(self.loader.last_positions)}) + "\n")
+                if self._watch(row):
+                    continue  # rolled back: the loop goes on from the checkpoint's step
                 self._maybe_switch_phase()
                 step = self.state.step
                 if train.eval_every and (step % train.eval_every == 0 or step == train.max_steps):
+                    self.heartbeat.beat("eval", step)
                     row.update(self.evaluate())
                 if step % logging.log_every == 0 or "eval_loss" in row or step == train.max_steps:
                     self.metrics.log(row)
                 self.metrics.progress(step, {"loss": f"{row['loss']:.3f}", "tok/s": f"{tokens_per_s:,.0f}"})
-                if not math.isfinite(row["loss"]):
+                if not row["skipped"] and not math.isfinite(row["loss"]):
                     raise ZayaError(f"step {step}: the loss is {row['loss']}; stopping (last checkpoint kept)")
                 if step % self.config.checkpoint.every == 0 or step == train.max_steps:
+                    self.heartbeat.beat("checkpoint_save", step)
                     self.save()
                 last = row
             self.manager.wait()
+            self.heartbeat.beat("done", self.state.step)
         finally:
             self.metrics.close()
             self.loader.close()
