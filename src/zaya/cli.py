@@ -222,25 +222,60 @@ def evaluate(model_path: Path, data_path: Path, split: str, seq_len: int, batch_
 @cli.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def report(run_dir: Path) -> None:
-    """Plots of a run's metrics and an index.html, written to RUN_DIR/report."""
-    from zaya.report.report import make_report
+    """Plots of a run's metrics and an index.html, written to RUN_DIR/report, and the incident timeline.
 
-    click.echo(f"wrote {make_report(run_dir)}")
+    RUN_DIR may also be a supervisor state directory: then only its incident timeline is shown."""
+    from zaya.report.report import make_report, read_all_incidents
+    from zaya.resilience.incidents import timeline
+    from zaya.train.metrics import read_metrics
+
+    if not run_dir.is_dir():
+        raise ZayaError(f"{run_dir}: no such run or state directory")
+    incidents = read_all_incidents(run_dir)
+    if read_metrics(run_dir) or not incidents:
+        click.echo(f"wrote {make_report(run_dir)}")
+    if incidents:
+        click.echo(f"incidents ({len(incidents)}):\n{timeline(incidents)}")
+
+
+# ---- supervise ----------------------------------------------------------------------------------------
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--policy", "policy_file", type=click.Path(path_type=Path), default=None,
+              help="A policy TOML file (default: the built-in policy).")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+              help="Where incidents, heartbeats and logs go (default: RUN_DIR/supervisor, else ./supervisor).")
+@click.option("--node", default=None, help="This node's name in the job (default: the host name).")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def supervise(policy_file: Path | None, state_dir: Path | None, node: str | None, command: tuple[str, ...]) -> None:
+    """Run COMMAND (torchrun ... zaya train ..., or zaya train ...), watch it and recover on its own.
+
+    Exit codes: 0 finished, 2 bad input, 3 no progress after K restarts, 4 stopped by policy,
+    5 nothing left to run on."""
+    from zaya.resilience.supervisor import supervise as run_supervisor
+
+    code = run_supervisor(list(command), policy_file, state_dir, node)
+    if code:
+        raise click.exceptions.Exit(code)
 
 
 def _mount_subsystem_groups() -> None:
     # Subsystems own their command groups; they join the top-level command here.
     from zaya.data.cli import data as data_group
+    from zaya.resilience.diagnose_cli import diagnose
 
     if "data" not in cli.commands:
         cli.add_command(data_group)
+    if "diagnose" not in cli.commands:
+        cli.add_command(diagnose)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zaya` console script."""
     _mount_subsystem_groups()
     try:
-        cli.main(args=argv, prog_name="zaya", standalone_mode=False)
+        code = cli.main(args=argv, prog_name="zaya", standalone_mode=False)
     except ZayaError as exc:
         if not getattr(exc, "quiet", False):
             rank = int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
@@ -256,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except click.exceptions.Exit as exc:
         return exc.exit_code
-    return 0
+    return code if isinstance(code, int) else 0  # a command's exit code (click returns it, unraised)
 
 
 if __name__ == "__main__":

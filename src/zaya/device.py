@@ -183,3 +183,26 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
             if key in name:
                 return value, f"table ({name})"
     return measure_matmul_flops(device, dtype), "measured"
+
+
+# The variables that choose which GPUs a process sees: CUDA's, and ROCm's two (HIP for the runtime, ROCR for
+# the kernel driver's agents). A supervisor that cordons a GPU sets all of them, so it needs no vendor check.
+VISIBLE_DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def visible_devices(environ: dict[str, str]) -> list[int] | None:
+    """The GPU indices an environment restricts processes to, or None if it does not restrict them."""
+    for name in VISIBLE_DEVICE_VARIABLES:
+        value = environ.get(name)
+        if value is not None and value.strip():
+            try:
+                return [int(part) for part in value.split(",") if part.strip()]
+            except ValueError:
+                return None  # UUIDs: not renumbered here
+    return None
+
+
+def visible_devices_env(indices: list[int]) -> dict[str, str]:
+    """The environment that shows processes exactly the GPUs `indices` (physical numbering)."""
+    value = ",".join(str(i) for i in indices)
+    return {name: value for name in VISIBLE_DEVICE_VARIABLES}

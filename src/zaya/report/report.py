@@ -4,6 +4,8 @@
     schedule.png      learning rate and global batch size
     throughput.png    tokens/s and MFU
     expert_load.png   heatmap of every layer's expert load (fraction of tokens) over time
+
+and the incident timeline of the run (the trainer's and the supervisor's `incidents.jsonl`), if it has one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import json
 from pathlib import Path
 
 from zaya.errors import ZayaError
+from zaya.resilience.incidents import FILE as INCIDENTS_FILE
+from zaya.resilience.incidents import read_incidents, timeline
 from zaya.train.metrics import read_metrics
 
 REPORT_DIR = "report"
@@ -78,6 +82,17 @@ def _heatmap(path: Path, rows: list[dict]) -> bool:
     return True
 
 
+def incident_files(path: Path) -> list[Path]:
+    """The incident logs of a run directory or a supervisor state directory: its own and its supervisor's."""
+    return [p for p in (path / INCIDENTS_FILE, path / "supervisor" / INCIDENTS_FILE) if p.is_file()]
+
+
+def read_all_incidents(path: Path) -> list[dict]:
+    """Every incident record under `path`, in time order."""
+    records = [record for file in incident_files(Path(path)) for record in read_incidents(file)]
+    return sorted(records, key=lambda record: record.get("time", ""))
+
+
 def make_report(run_dir: str | Path) -> Path:
     """Write the plots and `index.html` into RUN_DIR/report; returns the index path."""
     run_dir = Path(run_dir)
@@ -109,6 +124,7 @@ def make_report(run_dir: str | Path) -> Path:
         "final loss": last.get("loss"),
         "final held-out loss": evals[-1].get("eval_loss") if evals else None,
     }
+    incidents = read_all_incidents(run_dir)
     page = [
         "<!doctype html><html><head><meta charset='utf-8'><title>zaya run report</title>",
         "<style>body{font-family:sans-serif;max-width:960px;margin:2em auto}img{max-width:100%}"
@@ -117,6 +133,7 @@ def make_report(run_dir: str | Path) -> Path:
         "<table>" + "".join(f"<tr><th align=left>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
                             for k, v in summary.items()) + "</table>",
         *[f"<h2>{name[:-4].replace('_', ' ')}</h2><img src='{name}'>" for name in figures],
+        *(["<h2>incidents</h2><pre>" + html.escape(timeline(incidents)) + "</pre>"] if incidents else []),
         "<h2>config</h2><pre>" + html.escape(json.dumps(json.loads(config_text), indent=2)) + "</pre>",
         "</body></html>",
     ]

@@ -1,0 +1,386 @@
+"""`zaya supervise -- COMMAND...`: run the worker group, watch it, and recover on its own.
+
+The loop, every `supervisor.poll_s`:
+
+    the group exited 0                     -> done (exit 0)
+    the group exited otherwise             -> classify this run's log (+ the kernel log) -> policy
+    a rank's heartbeat is late             -> hang -> policy (the group is SIGKILLed: it is stuck anyway)
+    a probe finds something (ECC, NIC, disk) -> policy
+    another node's supervisor cordoned its node -> restart here with one node fewer
+
+and the policy's action: restart in place, cordon a GPU (restart with one process fewer and that GPU hidden),
+cordon this node (stop here; the other nodes' supervisors go on without it), stop, or just log. Every decision
+goes to `STATE_DIR/incidents.jsonl`, and once the run gets past the step it failed at, a "recovered" record
+with the time it took.
+
+Progress is the highest step a heartbeat reported. A run that fails without getting past the previous run's
+highest step makes no progress; `supervisor.max_no_progress` such runs in a row end the supervisor.
+
+Exit codes (EXIT_*): 0 training finished; 2 bad input (ours, or the trainer's before its first step);
+3 no progress after K restarts; 4 stopped by policy (a `stop` rule, or this node cordoned); 5 nothing left to
+run on (every GPU cordoned, or `supervisor.max_restarts` spent); 130/143 interrupted (SIGINT/SIGTERM).
+
+The state directory (shared by the supervisors of all nodes of a job, on a shared filesystem):
+
+    incidents.jsonl                        every decision, appended (zaya.resilience.incidents)
+    cordon.json                            {"gpus": {node: [index, ...]}, "nodes": [node, ...]}
+    heartbeats/NODE/run-N/rank-R.json      the ranks' heartbeats of run N (zaya.resilience.heartbeat)
+    logs/NODE/run-N.log                    everything the group printed in run N
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from zaya.device import visible_devices, visible_devices_env
+from zaya.errors import ZayaError
+from zaya.resilience import faults, heartbeat, incidents
+from zaya.resilience import policy as policy_module
+from zaya.resilience.command import WorkerCommand
+from zaya.resilience.diagnose import classify_lines
+from zaya.resilience.findings import Finding
+from zaya.resilience.heartbeat import HeartbeatWatcher
+from zaya.resilience.incidents import IncidentLog
+from zaya.resilience.policy import TRAINING_ACTIONS, Policy
+from zaya.resilience.probes import build_probes
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_NO_PROGRESS = 3
+EXIT_STOPPED = 4
+EXIT_EXHAUSTED = 5
+CORDON_FILE = "cordon.json"
+LOG_TAIL = 5000  # lines of a run's output kept for the classifier
+
+
+@dataclass
+class Outcome:
+    """Why a watched run ended: the group exited (`code`) or the supervisor ended it (`finding`, `action`)."""
+
+    code: int | None = None
+    finding: Finding | None = None
+    action: str = ""
+
+
+class Supervisor:
+    """Runs `command` until it finishes, recovering from what `policy` says it may recover from."""
+
+    def __init__(self, command: list[str], policy: Policy, state_dir: Path, *, node: str | None = None,
+                 policy_file: Path | None = None, say=print):
+        self.command = WorkerCommand(command)
+        self.policy = policy
+        self.policy_file = policy_file
+        self.state_dir = Path(state_dir)
+        self.node = node or socket.gethostname()
+        self.say = say
+        self.incidents = IncidentLog(self.state_dir / incidents.FILE)
+        self.probes = build_probes(policy.probes)
+        self.base_env = dict(os.environ)
+        nproc = self.command.nproc_per_node()
+        self.gpus = visible_devices(self.base_env) or (list(range(nproc)) if nproc else [])
+        self.nodes = self.command.nnodes()[1]
+        self.attempt = 0
+        self.best_step = -1
+        self.no_progress = 0
+        self._recovering: dict | None = None  # the incident the current run recovers from
+        self._run_best = -1  # the highest step of the current run
+        self._pending: list[Finding] = []  # findings of the probes' first poll
+        self._stop = None
+        self._kernel_seen = 0
+
+    # ---- the state shared between nodes -----------------------------------------------------------------
+
+    def _cordon(self) -> dict:
+        try:
+            data = json.loads((self.state_dir / CORDON_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            data = {}
+        return {"gpus": data.get("gpus", {}), "nodes": data.get("nodes", [])}
+
+    def _write_cordon(self, data: dict) -> None:
+        path = self.state_dir / CORDON_FILE
+        tmp = path.with_name(f".{CORDON_FILE}.{self.node}.tmp")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def _resources(self) -> tuple[list[int], int]:
+        """The GPUs of this node and the number of nodes still usable."""
+        cordon = self._cordon()
+        gone = set(cordon["gpus"].get(self.node, []))
+        others = [n for n in cordon["nodes"] if n != self.node]
+        return [g for g in self.gpus if g not in gone], self.nodes - len(others)
+
+    # ---- one run of the worker group ----------------------------------------------------------------------
+
+    def _start(self) -> tuple[subprocess.Popen, HeartbeatWatcher, collections.deque, int]:
+        # one reading of cordon.json sizes the command and is what `_watch` compares against: a node cordoned
+        # just after it then means one restart more, never a run that waits for a node that is gone
+        cordoned = self._cordon_count()
+        gpus, nodes = self._resources()
+        nproc = len(gpus) if self.command.torchrun and self.gpus else None
+        argv = self.command.resized(nproc, nodes if nodes != self.nodes else None)
+        beats = self.state_dir / "heartbeats" / self.node / f"run-{self.attempt}"
+        log_path = self.state_dir / "logs" / self.node / f"run-{self.attempt}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**self.base_env, heartbeat.ENV: str(beats), incidents.ENV: str(self.incidents.path),
+               faults.RUN_ENV: str(self.attempt)}
+        if self.policy_file is not None:
+            env[policy_module.ENV] = str(Path(self.policy_file).resolve())
+        if self.gpus and gpus != self.gpus:
+            env.update(visible_devices_env(gpus))
+        self.say(f"run {self.attempt}: {' '.join(argv)}")
+        process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        tail: collections.deque = collections.deque(maxlen=LOG_TAIL)
+        threading.Thread(target=_tee, args=(process.stdout, log_path, tail), daemon=True).start()
+        watcher = HeartbeatWatcher(beats, self.policy.heartbeat)
+        return process, watcher, tail, cordoned
+
+    def _cordon_count(self) -> int:
+        return len([n for n in self._cordon()["nodes"] if n != self.node])
+
+    def _watch(self, process: subprocess.Popen, watcher: HeartbeatWatcher, tail, cordoned: int) -> Outcome:
+        """Poll until the run ends or a finding calls for an action other than `log`."""
+        poll = self.policy.supervisor.poll_s
+        while True:
+            if self._stop is not None:
+                return Outcome(finding=Finding("interrupted", "", f"supervisor got {self._stop.name}"),
+                               action="stop")
+            code = process.poll()
+            self._note_progress(watcher)
+            if code is not None:
+                time.sleep(0.2)  # let the tee thread drain the last lines
+                return Outcome(code=code)
+            findings, self._pending = [*self._pending, *(f for probe in self.probes for f in probe.poll())], []
+            hang = watcher.poll()
+            if hang is not None:
+                findings.append(hang)
+            if self._cordon_count() != cordoned:  # another node's supervisor decided: go on without it
+                gone = [n for n in self._cordon()["nodes"] if n != self.node]
+                return Outcome(finding=Finding("node_cordoned", f"node:{gone[-1]}",
+                                               f"node {gone[-1]} was cordoned by its supervisor"), action="restart")
+            for finding in findings:
+                rule = self.policy.decide(finding)
+                action = "restart" if rule.action in TRAINING_ACTIONS else rule.action
+                if action == "log":
+                    self._record(finding, "log", "recorded")
+                    continue
+                return Outcome(finding=finding, action=action)
+            time.sleep(poll)
+
+    def _note_progress(self, watcher: HeartbeatWatcher) -> None:
+        step = watcher.progress()
+        if self._recovering is not None and step > self._recovering["step"]:
+            took = time.time() - self._recovering["detected"]
+            self.incidents.append({"event": "recovered", "source": "supervisor", "attempt": self.attempt,
+                                   "step": step, "signal": self._recovering["signal"],
+                                   "seconds": round(took, 3),
+                                   "outcome": f"past step {self._recovering['step']} again {took:.1f} s after "
+                                              f"the {self._recovering['signal']} was detected"})
+            self.say(f"recovered: step {step} reached, {took:.1f} s after detection")
+            self._recovering = None
+        self._run_best = max(self._run_best, step)
+
+    # ---- decisions ------------------------------------------------------------------------------------------
+
+    def _record(self, finding: Finding, action: str, outcome: str, evidence: list[str] | None = None) -> None:
+        self.incidents.append({"source": "supervisor", "node": self.node, "signal": finding.signal,
+                               "subject": finding.subject, "evidence": evidence or [finding.line],
+                               "detail": finding.detail, "action": action, "outcome": outcome,
+                               "step": self._run_best, "attempt": self.attempt})
+        self.say(f"incident: {finding.signal}{f' {finding.subject}' if finding.subject else ''}: {finding.line} "
+                 f"-> {action}: {outcome}")
+
+    def _kernel_lines(self) -> list[str]:
+        command = self.policy.supervisor.kernel_log
+        if not command:
+            return []
+        try:
+            text = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        lines = text.splitlines()
+        new, self._kernel_seen = lines[self._kernel_seen:], len(lines)
+        return new
+
+    def _diagnose(self, code: int, tail) -> Finding:
+        diagnosis = classify_lines([*self._kernel_lines(), *tail])
+        finding = diagnosis.finding()
+        if not finding.line:
+            finding = Finding(diagnosis.root, finding.subject, f"the worker group exited with code {code}",
+                              f"{len(diagnosis.cascade)} cascade line(s), no root cause in the log")
+        return finding
+
+    def run(self) -> int:
+        """Supervise until the run finishes or cannot go on; returns the exit code."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._kernel_lines()  # what the kernel said before we started is history
+        # the probes' first poll is their baseline: counters already non-zero are history and not reported,
+        # but a state that is bad now (a link down, a full disk) is, and is acted on before the first start
+        self._pending = [f for probe in self.probes for f in probe.poll()]
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._loop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop = signal.Signals(signum)
+
+    def _loop(self) -> int:
+        settings = self.policy.supervisor
+        while True:
+            gpus, nodes = self._resources()
+            if self.node in self._cordon()["nodes"]:
+                self.say("this node is cordoned; stopping here")
+                return EXIT_STOPPED
+            if (self.gpus and not gpus) or nodes < 1:
+                self.say("nothing left to run on: every GPU or node is cordoned")
+                return EXIT_EXHAUSTED
+            self._run_best = -1
+            process, watcher, tail, cordoned = self._start()
+            started = time.time()
+            outcome = self._watch(process, watcher, tail, cordoned)
+            if outcome.code == 0:
+                self._note_progress(watcher)
+                self.say(f"run {self.attempt}: finished")
+                return EXIT_OK
+            detected = time.time()
+            finding, action = outcome.finding, outcome.action
+            if finding is None:  # the group died on its own
+                finding = self._diagnose(outcome.code, tail)
+                if self._run_best < 0 and any("zaya: error" in line for line in tail):
+                    self._record(finding, "stop", "bad input before the first step: no restart can fix it",
+                                 [finding.line])
+                    return EXIT_BAD_INPUT
+                rule = self.policy.decide(finding)
+                action = "restart" if rule.action in (*TRAINING_ACTIONS, "log") else rule.action
+            _kill(process, watcher, graceful=finding.signal != "hang", grace=settings.kill_grace_s)
+            if finding.signal == "interrupted":
+                return 128 + self._stop.value
+            progressed = self._run_best > self.best_step
+            self.best_step = max(self.best_step, self._run_best)
+            self.no_progress = 0 if progressed else self.no_progress + 1
+            code = self._act(finding, action, detected - started)
+            if code is not None:
+                return code
+            if self.no_progress >= settings.max_no_progress:
+                self._record(finding, "stop", f"no progress past step {self.best_step} in {self.no_progress} "
+                             "runs in a row")
+                return EXIT_NO_PROGRESS
+            if self.attempt + 1 > settings.max_restarts:
+                self._record(finding, "stop", f"supervisor.max_restarts ({settings.max_restarts}) spent")
+                return EXIT_EXHAUSTED
+            self._recovering = {"step": max(self._run_best, 0), "detected": detected, "signal": finding.signal}
+            self.attempt += 1
+
+    def _act(self, finding: Finding, action: str, ran_for: float) -> int | None:
+        """Carry out `action` (the group is already down); an exit code ends the supervisor."""
+        if action == "stop":
+            self._record(finding, "stop", "stopped by policy")
+            return EXIT_STOPPED
+        if action == "cordon_node":
+            cordon = self._cordon()
+            cordon["nodes"] = sorted({*cordon["nodes"], self.node})
+            self._write_cordon(cordon)
+            self._record(finding, "cordon_node", f"node {self.node} cordoned; the other nodes go on without it")
+            return EXIT_STOPPED
+        if action == "cordon_gpu":
+            gpu = finding.gpu
+            if gpu is None or gpu not in self.gpus:
+                self._record(finding, "restart", f"no GPU of this node named by '{finding.subject}'; restarted")
+                return None
+            cordon = self._cordon()
+            cordon["gpus"][self.node] = sorted({*cordon["gpus"].get(self.node, []), gpu})
+            self._write_cordon(cordon)
+            left = self._resources()[0]
+            self._record(finding, "cordon_gpu", f"GPU {gpu} cordoned; restarting on {len(left)} GPU(s) {left}")
+            return None
+        _gpus, nodes = self._resources()
+        self._record(finding, "restart", f"restarting (run {self.attempt + 1}) after {ran_for:.1f} s"
+                     + (f" on {nodes} node(s)" if nodes != self.nodes else ""))
+        return None
+
+
+def _tee(stream, path: Path, tail: collections.deque) -> None:
+    """Copy the group's output to our stdout and the run's log file, keeping the tail for the classifier."""
+    with path.open("ab") as log:
+        for raw in iter(stream.readline, b""):
+            log.write(raw)
+            log.flush()
+            os.write(1, raw)
+            tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun puts its workers in sessions of their own: killpg misses them)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill(process: subprocess.Popen, watcher: HeartbeatWatcher, *, graceful: bool, grace: float) -> None:
+    """End the whole group: SIGTERM and `grace` seconds to exit (unless it is hung), then SIGKILL for all."""
+    victims = {process.pid, *_descendants(process.pid)}
+    victims |= {int(b["pid"]) for b in watcher.beats().values() if heartbeat.process_state(int(b["pid"]))}
+    if graceful and process.poll() is None:
+        _signal_all(victims, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(grace)
+    victims |= set(_descendants(process.pid)) if process.poll() is None else set()
+    _signal_all(victims, signal.SIGKILL)
+    process.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(heartbeat.process_state(pid) not in (None, "Z") for pid in victims):
+        time.sleep(0.05)
+
+
+def _signal_all(pids, sig) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def default_state_dir(command: list[str]) -> Path:
+    """RUN_DIR/supervisor when the command names `--run-dir RUN_DIR`, else ./supervisor."""
+    for index, arg in enumerate(command):
+        if arg == "--run-dir" and index + 1 < len(command):
+            return Path(command[index + 1]) / "supervisor"
+        if arg.startswith("--run-dir="):
+            return Path(arg.split("=", 1)[1]) / "supervisor"
+    return Path("supervisor")
+
+
+def supervise(command: list[str], policy_file: Path | None = None, state_dir: Path | None = None,
+              node: str | None = None) -> int:
+    """What `zaya supervise` does: load the policy, check the command, supervise; returns the exit code."""
+    policy = Policy.load(policy_file)
+    supervisor = Supervisor(command, policy, state_dir or default_state_dir(command), node=node,
+                            policy_file=policy_file)
+    return supervisor.run()
+
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_EXHAUSTED", "EXIT_NO_PROGRESS", "EXIT_OK", "EXIT_STOPPED", "Supervisor",
+           "ZayaError", "supervise"]

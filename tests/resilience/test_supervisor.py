@@ -1,0 +1,229 @@
+"""`zaya supervise` with real faults: killed and stopped ranks under torchrun, a fake ECC error, NIC flaps,
+a crash that repeats, bad input. Each test runs real processes under one deadline."""
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import zaya
+from conftest import write_config
+from multiprocess import run_command
+from zaya.resilience.incidents import read_incidents
+from zaya.resilience.supervisor import EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_STOPPED
+from zaya.train.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+STEPS = 12
+POLICY = """
+[supervisor]
+poll_s = 0.25
+kill_grace_s = 3.0
+[heartbeat]
+factor = 5.0
+floor_s = 3.0
+first_timeout_s = 120.0
+init_timeout_s = 120.0
+"""
+
+
+def _config(tmp_path: Path, dataset: Path) -> Path:
+    return write_config(tmp_path / "run.toml", dataset,
+                        train={"max_steps": STEPS, "eval_every": 0, "global_batch_size": 8, "micro_batch_size": 4},
+                        checkpoint={"every": 3, "keep": 10}, logging={"record_samples": True},
+                        parallel={"timeout_s": 120.0})
+
+
+def _torchrun(config: Path, run: Path, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "--max-restarts=0", "--monitor-interval=0.2", "-m", "zaya.cli", "train", str(config),
+            "--run-dir", str(run)]
+
+
+def _supervise(tmp_path: Path, command: list[str], *, policy: str = POLICY, faults: str = "",
+               env: dict | None = None, timeout: float = 400, name: str = "state"):
+    policy_file = tmp_path / f"{name}.toml"
+    policy_file.write_text(policy)
+    state = tmp_path / name
+    args = [sys.executable, "-m", "zaya.cli", "supervise", "--policy", str(policy_file), "--state-dir", str(state),
+            "--", *command]
+    result = run_command(args, timeout=timeout, env={"OMP_NUM_THREADS": "1", "ZAYA_FAULTS": faults, **(env or {})})
+    incidents = read_incidents(state / "incidents.jsonl") if (state / "incidents.jsonl").is_file() else []
+    return result, state, incidents
+
+
+def _final_state(run: Path) -> dict:
+    return zaya.load_model(run).state_dict()
+
+
+def _samples(run: Path) -> dict[int, list]:
+    """The positions the final trajectory trained at each step (a step run again after a restart counts once)."""
+    return {r["step"]: r["positions"] for r in map(json.loads, (run / "samples.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def reference(dataset, tmp_path_factory) -> Path:
+    """An uninterrupted supervised 2-rank run."""
+    tmp = tmp_path_factory.mktemp("reference")
+    run = tmp / "run"
+    result, _, incidents = _supervise(tmp, _torchrun(_config(tmp, dataset), run))
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    assert incidents == []
+    return run
+
+
+def _assert_bitwise(run: Path, reference: Path) -> None:
+    ours, theirs = _final_state(run), _final_state(reference)
+    assert set(ours) == set(theirs)
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    assert _samples(run) == _samples(reference)
+
+
+def test_a_killed_rank_is_restarted_and_the_run_is_bitwise_the_same(dataset, tmp_path, reference):
+    run = tmp_path / "run"
+    result, _, incidents = _supervise(tmp_path, _torchrun(_config(tmp_path, dataset), run),
+                                      faults="sigkill@step:7@rank=1@run=0,slow=0.4@step:9@rank=1@run=1")
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    restart = [i for i in incidents if i["event"] == "incident" and i["source"] == "supervisor"]
+    assert len(restart) == 1 and restart[0]["action"] == "restart", incidents
+    assert any(i["event"] == "recovered" for i in incidents)
+    # the slowed rank (after the restart) is reported as a straggler, by the trainer, from step 10 on
+    slow = [i for i in incidents if i["signal"] == "straggler"]
+    assert {i["subject"] for i in slow} == {"rank:1"} and min(i["step"] for i in slow) == 10
+    assert all(i["action"] == "log" and i["source"] == "trainer" for i in slow)
+    _assert_bitwise(run, reference)
+
+
+def test_a_corrupt_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(dataset, tmp_path):
+    config = _config(tmp_path, dataset)
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "zaya.cli", "train", str(config), "--run-dir", str(run)]
+    result, _, incidents = _supervise(tmp_path, command, faults="corrupt@committed:6@run=0,raise@step:7@run=0")
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    (crash,) = [i for i in incidents if i["event"] == "incident"]
+    assert crash["signal"] == "python" and "InjectedFault" in crash["evidence"][0]
+    assert (run / "checkpoints" / "step_00000006.bad").is_dir()  # kept for a person, never deleted
+    log = (run / "train.log").read_text()
+    assert "resumed from" in log and "step_00000003" in log.split("resumed from")[1].splitlines()[0]
+    assert max(r["step"] for r in read_metrics(run)) == STEPS
+
+
+def test_a_stopped_rank_is_a_hang_caught_within_the_step_timeout(dataset, tmp_path, reference):
+    run = tmp_path / "run"
+    result, _, incidents = _supervise(tmp_path, _torchrun(_config(tmp_path, dataset), run),
+                                      faults="sigstop@step:7@rank=1@run=0")
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    (hang,) = [i for i in incidents if i["event"] == "incident"]
+    assert hang["signal"] == "hang" and hang["subject"] == "rank:1" and hang["action"] == "restart"
+    line = hang["evidence"][0]
+    assert "stopped" in line, line
+    age = float(line.split("no heartbeat for ")[1].split(" s")[0])
+    timeout = float(line.split("(timeout ")[1].split(" s")[0])
+    assert timeout <= 10.0 and age <= timeout + 0.25 + 0.5, line  # within the timeout plus one poll
+    _assert_bitwise(run, reference)
+
+
+def test_an_ecc_error_cordons_that_gpu_and_the_run_goes_on_with_one_rank_fewer(dataset, tmp_path, reference):
+    readings = tmp_path / "smi.csv"
+    readings.write_text("0, 00000000:3B:00.0, 0, 0\n1, 00000000:5E:00.0, 0, 0\n")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\ncat {readings}\n")
+    smi.chmod(0o755)
+    policy = POLICY + f'[probes]\ngpu = "nvidia-smi"\nnvidia_smi = ["{smi}"]\n'
+    run, state = tmp_path / "run", tmp_path / "state"
+
+    def break_gpu_one():  # once the run is past its checkpoint of step 6
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            beat = state / "heartbeats" / os.uname().nodename / "run-0" / "rank-0.json"
+            try:
+                if json.loads(beat.read_text())["step"] >= 8:
+                    readings.write_text("0, 00000000:3B:00.0, 0, 0\n1, 00000000:5E:00.0, 2, 2\n")
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+
+    threading.Thread(target=break_gpu_one, daemon=True).start()
+    result, _, incidents = _supervise(tmp_path, _torchrun(_config(tmp_path, dataset), run), policy=policy)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    (ecc,) = [i for i in incidents if i["event"] == "incident"]
+    assert ecc["signal"] == "gpu_ecc" and ecc["subject"] == "gpu:1" and ecc["action"] == "cordon_gpu"
+    assert json.loads((state / "cordon.json").read_text())["gpus"] == {os.uname().nodename: [1]}
+    log = (state / "logs" / os.uname().nodename / "run-1.log").read_text()
+    assert "run 1: " in result.stdout and "--nproc-per-node=1" in result.stdout.split("run 1: ")[1].splitlines()[0]
+    assert "1 rank(s)" in log and "written by 2 rank(s)" in log, log[-3000:]
+    assert _samples(run) == _samples(reference)  # the same samples, on one rank fewer
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, STEPS + 1))
+
+
+def _sleeper(seconds: float = 120) -> list[str]:
+    return [sys.executable, "-c", f"import time; time.sleep({seconds})"]
+
+
+def test_nic_flaps_below_the_threshold_are_logged_and_at_it_the_node_is_cordoned(tmp_path):
+    net = tmp_path / "root" / "sys" / "class" / "net" / "eth0"
+    net.mkdir(parents=True)
+    (net / "operstate").write_text("up\n")
+    (net / "carrier_changes").write_text("4\n")
+    (net / "device").mkdir()
+    policy = POLICY + (f'[probes]\nroot = "{tmp_path / "root"}"\ngpu = "none"\nnics = ["eth0"]\n'
+                       '[[rule]]\nsignal = "nic_flap"\nmin_count = 3\naction = "cordon_node"\n')
+
+    def flap():  # once the supervisor has taken its baseline and started the command
+        deadline = time.time() + 50
+        while not (tmp_path / "state" / "logs" / os.uname().nodename / "run-0.log").exists():
+            if time.time() > deadline:
+                return
+            time.sleep(0.05)
+        time.sleep(1)
+        (net / "carrier_changes").write_text("6\n")  # 2 changes: below the threshold
+        time.sleep(3)
+        (net / "carrier_changes").write_text("7\n")  # 3 in all: at it
+
+    threading.Thread(target=flap, daemon=True).start()
+    result, state, incidents = _supervise(tmp_path, _sleeper(), policy=policy, timeout=60)
+    assert result.returncode == EXIT_STOPPED, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [(i["signal"], i["action"]) for i in incidents] == [("nic_flap", "log"), ("nic_flap", "cordon_node")]
+    assert json.loads((state / "cordon.json").read_text())["nodes"] == [os.uname().nodename]
+
+
+def test_a_crash_that_repeats_at_the_same_step_stops_with_the_no_progress_code(dataset, tmp_path):
+    config = _config(tmp_path, dataset)
+    command = [sys.executable, "-m", "zaya.cli", "train", str(config), "--run-dir", str(tmp_path / "run")]
+    xid = "[ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus."
+    policy = POLICY.replace("[supervisor]\n", "[supervisor]\nmax_no_progress = 2\n")
+    result, _, incidents = _supervise(tmp_path, command, policy=policy, faults="print@step:4,raise@step:4",
+                                      env={"ZAYA_FAULT_LINE": xid})
+    assert result.returncode == EXIT_NO_PROGRESS, result.stdout[-3000:] + result.stderr[-3000:]
+    decided = [i for i in incidents if i["event"] == "incident"]
+    assert [i["action"] for i in decided] == ["restart", "restart", "restart", "stop"]
+    assert all(i["signal"] == "gpu_xid" and "Xid" in i["evidence"][0] for i in decided)
+    assert "79" in decided[0]["detail"]
+
+
+@pytest.mark.parametrize(("policy", "message"), [
+    ('[[rule]]\nsignal = "cosmic_ray"\naction = "restart"\n', "unknown signal 'cosmic_ray'"),
+    ('[[rule]]\nsignal = "oom"\naction = "reboot"\n', "unknown action 'reboot'"),
+    ('[supervisor]\npoll = 1\n', "unknown key 'supervisor.poll'"),
+], ids=["signal", "action", "key"])
+def test_a_bad_policy_is_one_line_and_exit_2(tmp_path, policy, message):
+    result, state, _ = _supervise(tmp_path, _sleeper(1), policy=policy, timeout=60)
+    assert result.returncode == EXIT_BAD_INPUT
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("zaya: error:") and message in line and "state.toml" in line
+    assert not state.exists()
+
+
+def test_a_command_that_does_not_exist_is_one_line_and_exit_2(tmp_path):
+    result, state, _ = _supervise(tmp_path, ["no-such-trainer", "--flag"], timeout=60)
+    assert result.returncode == EXIT_BAD_INPUT
+    (line,) = result.stderr.strip().splitlines()
+    assert "command 'no-such-trainer' not found" in line
+    assert not state.exists()
