@@ -147,22 +147,30 @@ class HeartbeatWatcher:
                 return Finding("hang", "", f"no rank wrote a heartbeat within {waited:.1f} s of the start",
                                f"init timeout {self.settings.init_timeout_s:g} s")
             return None
-        late = []
+        # The ranks step together, so a section's timeout comes from the longest duration any rank measured:
+        # one rank's slightly shorter steps must not make it the first to look late.
+        longest: dict[str, float] = {}
+        for beat in beats.values():
+            for section, seconds in beat.get("longest", {}).items():
+                longest[section] = max(seconds, longest.get(section, 0.0))
+        late, everyone = [], []
         for rank, beat in beats.items():
-            timeout, why = self.settings.timeout(beat["section"], beat.get("longest", {}))
-            age = now - beat["time"]
-            if age > timeout:
-                late.append((beat["time"], rank, beat, age, timeout, why))
+            timeout, why = self.settings.timeout(beat["section"], longest)
+            item = (beat["time"], rank, beat, now - beat["time"], timeout, why)
+            everyone.append(item)
+            if item[3] > timeout:
+                late.append(item)
         if not late:
             return None
-        # The cause is a rank that cannot run (stopped, gone, stuck in the kernel), else the first to stop
-        # beating: the others are waiting for it inside a collective.
-        states = {rank: process_state(int(beat.get("pid", -1))) for _, rank, beat, *_ in late}
-        _, rank, beat, age, timeout, why = min(late, key=lambda item: (states[item[1]] in ("R", "S"), item[0]))
+        # The cause is a rank that cannot run (stopped, gone, stuck in the kernel), late or not yet, else the
+        # first to stop beating: the others are waiting for it inside a collective.
+        states = {rank: process_state(int(beat.get("pid", -1))) for _, rank, beat, *_ in everyone}
+        stuck = [item for item in everyone if states[item[1]] not in ("R", "S")]
+        _, rank, beat, age, timeout, why = min(stuck or late)
         state = states[rank]
         shown = {"T": "stopped (SIGSTOP or a debugger)", "Z": "a zombie", "D": "in uninterruptible I/O",
                  None: "gone"}.get(state, "running")
-        others = sorted(r for _, r, *_ in late if r != rank)
+        others = sorted(r for _, r, *_ in everyone if r != rank)
         line = (f"rank {rank}: no heartbeat for {age:.1f} s in section '{beat['section']}' at step {beat['step']} "
                 f"(timeout {timeout:.1f} s: {why}); process {beat.get('pid')} {shown}")
         detail = f"ranks {others} waiting behind it" if others else ""
