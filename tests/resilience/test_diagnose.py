@@ -18,19 +18,17 @@ from click.testing import CliRunner
 
 from zaya.errors import ZayaError
 from zaya.resilience.diagnose import (
-    _RULES,
-    _SEPARATORS,
     ROOT_CLASSES,
     XID_MEANINGS,
     Diagnosis,
     _Classifier,
-    _triggered,
     classify_files,
     classify_lines,
     classify_text,
 )
 from zaya.resilience.diagnose_cli import diagnose
 from zaya.resilience.findings import Finding
+from zaya.resilience.signatures import _RULES, _SEPARATORS, _triggered
 
 
 def text(block: str) -> str:

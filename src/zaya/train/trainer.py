@@ -14,9 +14,10 @@ One optimizer step:
 
 The model is sharded from outside (`zaya.parallel.parallelize`) on one rank as on many: the same code path,
 no gradient all-reduce of its own. Under `zaya supervise` each rank writes a heartbeat as it enters a
-section (init, checkpoint_load, step, eval, checkpoint_save, done). A resumed run restores the model, optimizer, controller, loader position,
-RNG states and phase from the newest valid checkpoint, written on any number of ranks, and on the CPU
-continues bitwise-identically on the same mesh: nothing in the step depends on anything else.
+section (init, checkpoint_load, step, eval, checkpoint_save, done). A resumed run restores the model,
+optimizer, controller, loader position, RNG states and phase from the newest valid checkpoint, written on any
+number of ranks, and on the CPU continues bitwise-identically on the same mesh: nothing in the step depends
+on anything else.
 """
 
 from __future__ import annotations
