@@ -14,6 +14,7 @@ import torch
 import zaya
 from conftest import write_config
 from multiprocess import run_command
+from zaya.cli import main
 from zaya.resilience.incidents import read_incidents
 from zaya.resilience.supervisor import EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_STOPPED
 from zaya.train.metrics import read_metrics
@@ -85,17 +86,25 @@ def _assert_bitwise(run: Path, reference: Path) -> None:
     assert _samples(run) == _samples(reference)
 
 
-def test_a_killed_rank_is_restarted_and_the_run_is_bitwise_the_same(dataset, tmp_path, reference):
+def test_a_killed_rank_and_a_stopped_rank_are_recovered_and_the_run_is_bitwise_the_same(dataset, tmp_path,
+                                                                                          reference):
+    """Run 0 loses rank 1 to SIGKILL; run 1 has rank 1 stopped with SIGSTOP (a hang); run 2 has rank 1 slow."""
     run = tmp_path / "run"
-    result, _, incidents = _supervise(tmp_path, _torchrun(_config(tmp_path, dataset), run),
-                                      faults="sigkill@step:7@rank=1@run=0,slow=0.4@step:9@rank=1@run=1")
+    faults = "sigkill@step:4@rank=1@run=0,sigstop@step:8@rank=1@run=1,slow=0.4@step:10@rank=1@run=2"
+    result, _, incidents = _supervise(tmp_path, _torchrun(_config(tmp_path, dataset), run), faults=faults)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
-    restart = [i for i in incidents if i["event"] == "incident" and i["source"] == "supervisor"]
-    assert len(restart) == 1 and restart[0]["action"] == "restart", incidents
-    assert any(i["event"] == "recovered" for i in incidents)
-    # the slowed rank (after the restart) is reported as a straggler, by the trainer, from step 10 on
+    crash, hang = [i for i in incidents if i["event"] == "incident" and i["source"] == "supervisor"]
+    assert crash["action"] == "restart" and crash["signal"] == "unknown"  # SIGKILL leaves only cascade lines
+    assert hang["signal"] == "hang" and hang["subject"] == "rank:1" and hang["action"] == "restart"
+    line = hang["evidence"][0]
+    assert "stopped" in line, line
+    age = float(line.split("no heartbeat for ")[1].split(" s")[0])
+    timeout = float(line.split("(timeout ")[1].split(" s")[0])
+    assert timeout <= 10.0 and age <= timeout + 0.25 + 0.5, line  # within the timeout plus one poll
+    assert sum(i["event"] == "recovered" for i in incidents) == 2
+    # the slowed rank is reported as a straggler, by the trainer, from step 11 on
     slow = [i for i in incidents if i["signal"] == "straggler"]
-    assert {i["subject"] for i in slow} == {"rank:1"} and min(i["step"] for i in slow) == 10
+    assert {i["subject"] for i in slow} == {"rank:1"} and min(i["step"] for i in slow) == 11
     assert all(i["action"] == "log" and i["source"] == "trainer" for i in slow)
     _assert_bitwise(run, reference)
 
@@ -203,7 +212,7 @@ def test_a_crash_that_repeats_at_the_same_step_stops_with_the_no_progress_code(d
                                       env={"ZAYA_FAULT_LINE": xid})
     assert result.returncode == EXIT_NO_PROGRESS, result.stdout[-3000:] + result.stderr[-3000:]
     decided = [i for i in incidents if i["event"] == "incident"]
-    assert [i["action"] for i in decided] == ["restart", "restart", "restart", "stop"]
+    assert [i["action"] for i in decided] == ["restart", "restart", "stop"]  # run 0 got furthest; 1, 2 did not
     assert all(i["signal"] == "gpu_xid" and "Xid" in i["evidence"][0] for i in decided)
     assert "79" in decided[0]["detail"]
 
@@ -213,17 +222,31 @@ def test_a_crash_that_repeats_at_the_same_step_stops_with_the_no_progress_code(d
     ('[[rule]]\nsignal = "oom"\naction = "reboot"\n', "unknown action 'reboot'"),
     ('[supervisor]\npoll = 1\n', "unknown key 'supervisor.poll'"),
 ], ids=["signal", "action", "key"])
-def test_a_bad_policy_is_one_line_and_exit_2(tmp_path, policy, message):
-    result, state, _ = _supervise(tmp_path, _sleeper(1), policy=policy, timeout=60)
-    assert result.returncode == EXIT_BAD_INPUT
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("zaya: error:") and message in line and "state.toml" in line
+def test_a_bad_policy_is_one_line_and_exit_2(tmp_path, capsys, policy, message):
+    (tmp_path / "policy.toml").write_text(policy)
+    state = tmp_path / "state"
+    code = main(["supervise", "--policy", str(tmp_path / "policy.toml"), "--state-dir", str(state), "--",
+                 *_sleeper(1)])
+    assert code == EXIT_BAD_INPUT
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("zaya: error:") and message in line and "policy.toml" in line
     assert not state.exists()
 
 
-def test_a_command_that_does_not_exist_is_one_line_and_exit_2(tmp_path):
-    result, state, _ = _supervise(tmp_path, ["no-such-trainer", "--flag"], timeout=60)
-    assert result.returncode == EXIT_BAD_INPUT
-    (line,) = result.stderr.strip().splitlines()
+def test_a_command_that_does_not_exist_is_one_line_and_exit_2(tmp_path, capsys):
+    code = main(["supervise", "--state-dir", str(tmp_path / "state"), "--", "no-such-trainer", "--flag"])
+    assert code == EXIT_BAD_INPUT
+    (line,) = capsys.readouterr().err.strip().splitlines()
     assert "command 'no-such-trainer' not found" in line
-    assert not state.exists()
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_config_mistake_is_bad_input_and_not_restarted(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset, train={"global_batch_size": 9, "micro_batch_size": 4,
+                                                                 "max_steps": 4})
+    command = [sys.executable, "-m", "zaya.cli", "train", str(config), "--run-dir", str(tmp_path / "run")]
+    result, _, incidents = _supervise(tmp_path, command, timeout=120)
+    assert result.returncode == EXIT_BAD_INPUT, result.stdout[-3000:]
+    (stop,) = incidents
+    assert stop["action"] == "stop" and "zaya: error" in stop["evidence"][0] and "micro_batch_size" in \
+        stop["evidence"][0]

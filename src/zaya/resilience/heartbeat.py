@@ -12,9 +12,9 @@ Supervisor side (`HeartbeatWatcher`): a rank in section S since time t is hung w
 
 and, before S has a measured duration, when `now - t > first_timeout_s` (the first step compiles and warms
 up; `init` has its own `init_timeout_s`, counted from the group's start while no file exists yet). The
-durations come from the ranks themselves (recent window, so one slow warm-up step does not loosen the
-timeout forever), which makes the timeout track the run's real step time: a 1 s step is declared hung
-after a few seconds, not after the 30-minute collective timeout.
+durations come from the ranks themselves: the recent window of each section, leaving out its first pass
+(the warm-up), and the longest over all ranks, since they step together. So the timeout tracks the run's
+real step time: a 1 s step is declared hung after a few seconds, not after the 30-minute collective timeout.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Heartbeat:
         self._section: str | None = None
         self._since = 0.0
         self._recent: dict[str, deque[float]] = {}
+        self._warmed: set[str] = set()
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._path = self.directory / f"rank-{rank}.json"
@@ -62,8 +63,12 @@ class Heartbeat:
         if section not in SECTIONS:
             raise ValueError(f"unknown heartbeat section '{section}'")
         now = time.time()
-        if self._section is not None:
+        if self._section in self._warmed:
             self._recent.setdefault(self._section, deque(maxlen=WINDOW)).append(now - self._since)
+        elif self._section is not None:
+            # the first pass through a section is its warm-up (compilation, allocator, page cache): it has
+            # `first_timeout_s`, and would loosen every later timeout if it calibrated them
+            self._warmed.add(self._section)
         self._section, self._since = section, now
         record = {"rank": self.rank, "pid": os.getpid(), "section": section, "step": step, "time": now,
                   "longest": {name: max(values) for name, values in self._recent.items()}}

@@ -260,7 +260,9 @@ class Supervisor:
             finding, action = outcome.finding, outcome.action
             if finding is None:  # the group died on its own
                 finding = self._diagnose(outcome.code, tail)
-                if self._run_best < 0 and any("zaya: error" in line for line in tail):
+                # a mistake in the config shows at once, in the first run; a later start-up failure (a peer that
+                # did not join in time) is worth a restart
+                if self.attempt == 0 and self._run_best < 0 and any("zaya: error" in line for line in tail):
                     self._record(finding, "stop", "bad input before the first step: no restart can fix it",
                                  [finding.line])
                     return EXIT_BAD_INPUT
@@ -272,16 +274,18 @@ class Supervisor:
             progressed = self._run_best > self.best_step
             self.best_step = max(self.best_step, self._run_best)
             self.no_progress = 0 if progressed else self.no_progress + 1
+            if action not in ("stop", "cordon_node"):  # the actions that start the group again
+                if self.no_progress >= settings.max_no_progress:
+                    self._record(finding, "stop", f"no progress past step {self.best_step} in {self.no_progress} "
+                                 f"runs in a row (the policy said {action})")
+                    return EXIT_NO_PROGRESS
+                if self.attempt + 1 > settings.max_restarts:
+                    self._record(finding, "stop", f"supervisor.max_restarts ({settings.max_restarts}) spent "
+                                 f"(the policy said {action})")
+                    return EXIT_EXHAUSTED
             code = self._act(finding, action, detected - started)
             if code is not None:
                 return code
-            if self.no_progress >= settings.max_no_progress:
-                self._record(finding, "stop", f"no progress past step {self.best_step} in {self.no_progress} "
-                             "runs in a row")
-                return EXIT_NO_PROGRESS
-            if self.attempt + 1 > settings.max_restarts:
-                self._record(finding, "stop", f"supervisor.max_restarts ({settings.max_restarts}) spent")
-                return EXIT_EXHAUSTED
             self._recovering = {"step": max(self._run_best, 0), "detected": detected, "signal": finding.signal}
             self.attempt += 1
 
