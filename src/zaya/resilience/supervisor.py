@@ -34,6 +34,7 @@ import collections
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -130,6 +131,7 @@ class Supervisor:
         nproc = len(gpus) if self.command.torchrun and self.gpus else None
         argv = self.command.resized(nproc, nodes if nodes != self.nodes else None)
         beats = self.state_dir / "heartbeats" / self.node / f"run-{self.attempt}"
+        shutil.rmtree(beats, ignore_errors=True)  # a state dir used before: its old beats would look hung
         log_path = self.state_dir / "logs" / self.node / f"run-{self.attempt}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**self.base_env, heartbeat.ENV: str(beats), incidents.ENV: str(self.incidents.path),
