@@ -60,8 +60,10 @@ class TrainingSignals:
         if finding is None and not row["skipped"]:
             finding = self.spikes.check(step, row["loss"])
         slow = straggler(step, row["host_time"], self.policy.training)
-        if slow is not None:
+        if slow is not None and slow.subject != getattr(self, "_straggler", None):
+            # once when a rank starts to straggle, not at every step it goes on straggling
             self._incident(slow, self.policy.decide(slow).action, "reported")
+        self._straggler = slow.subject if slow is not None else None
         if finding is None:
             return False
         action = self.policy.decide(finding).action if finding.signal == "loss_spike" else "rollback"
