@@ -3,6 +3,7 @@ a crash that repeats, bad input. Each test runs real processes under one deadlin
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -15,6 +16,7 @@ import zaya
 from conftest import write_config
 from multiprocess import run_command
 from zaya.cli import main
+from zaya.resilience.heartbeat import process_state
 from zaya.resilience.incidents import read_incidents
 from zaya.resilience.supervisor import EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_STOPPED
 from zaya.train.metrics import read_metrics
@@ -235,3 +237,33 @@ def test_a_config_mistake_is_bad_input_and_not_restarted(dataset, tmp_path):
     (stop,) = incidents
     assert stop["action"] == "stop" and "zaya: error" in stop["evidence"][0] and "micro_batch_size" in \
         stop["evidence"][0]
+
+
+def test_a_killed_supervisor_takes_its_group_with_it(tmp_path):
+    state = tmp_path / "state"
+    supervisor = subprocess.Popen([sys.executable, "-m", "zaya.cli", "supervise", "--state-dir", str(state), "--",
+                                   *_sleeper(60)], stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        children = []
+        while not children and time.time() < deadline:
+            children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                        and _parent(p) == supervisor.pid]
+            time.sleep(0.1)
+        assert children, "the supervisor did not start its command"
+        supervisor.kill()
+        supervisor.wait()
+        deadline = time.time() + 10
+        while any(process_state(pid) not in (None, "Z") for pid in children) and time.time() < deadline:
+            time.sleep(0.05)
+        assert all(process_state(pid) in (None, "Z") for pid in children)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+
+
+def _parent(proc: Path) -> int:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1

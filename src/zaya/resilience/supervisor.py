@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -142,7 +143,7 @@ class Supervisor:
             env.update(visible_devices_env(gpus))
         self.say(f"run {self.attempt}: {' '.join(argv)}")
         process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=_die_with_us if _PRCTL else None)
         tail: collections.deque = collections.deque(maxlen=LOG_TAIL)
         threading.Thread(target=_tee, args=(process.stdout, log_path, tail), daemon=True).start()
         watcher = HeartbeatWatcher(beats, self.policy.heartbeat)
@@ -317,6 +318,23 @@ class Supervisor:
         self._record(finding, "restart", f"restarting (run {self.attempt + 1}) after {ran_for:.1f} s"
                      + (f" on {nodes} node(s)" if nodes != self.nodes else ""))
         return None
+
+
+def _libc_prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # Linux; looked up here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_us() -> None:
+    """In the group's first process, before exec: SIGTERM when the supervisor dies, so that a supervisor killed
+    by a person or the OOM killer does not leave a group running unwatched (torchrun passes it on)."""
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _tee(stream, path: Path, tail: collections.deque) -> None:
