@@ -267,3 +267,13 @@ def _parent(proc: Path) -> int:
         return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return -1
+
+
+def test_a_hang_the_policy_only_logs_is_recorded_once_and_the_run_goes_on(tmp_path):
+    policy = ('[supervisor]\npoll_s = 0.1\n[heartbeat]\ninit_timeout_s = 0.5\n'
+              '[[rule]]\nsignal = "hang"\naction = "log"\n')
+    result, _, incidents = _supervise(tmp_path, _sleeper(3), policy=policy, timeout=60)
+    assert result.returncode == 0, result.stdout[-3000:]
+    (logged,) = incidents  # the command never writes a heartbeat: an init hang at every poll after 0.5 s
+    assert logged["signal"] == "hang" and logged["action"] == "log" and "no rank wrote a heartbeat" in \
+        logged["evidence"][0]

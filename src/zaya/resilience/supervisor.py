@@ -155,6 +155,7 @@ class Supervisor:
     def _watch(self, process: subprocess.Popen, watcher: HeartbeatWatcher, tail, cordoned: int) -> Outcome:
         """Poll until the run ends or a finding calls for an action other than `log`."""
         poll = self.policy.supervisor.poll_s
+        logged_hangs: set[str] = set()  # a hang the policy only logs is seen at every poll: recorded once
         while True:
             if self._stop is not None:
                 return Outcome(finding=Finding("interrupted", "", f"supervisor got {self._stop.name}"),
@@ -176,6 +177,10 @@ class Supervisor:
                 rule = self.policy.decide(finding)
                 action = "restart" if rule.action in TRAINING_ACTIONS else rule.action
                 if action == "log":
+                    if finding.signal == "hang":
+                        if finding.subject in logged_hangs:
+                            continue
+                        logged_hangs.add(finding.subject)
                     self._record(finding, "log", "recorded")
                     continue
                 return Outcome(finding=finding, action=action)
