@@ -16,8 +16,8 @@ import zaya
 from conftest import write_config
 from multiprocess import run_command
 from zaya.cli import main
-from zaya.resilience.heartbeat import process_state
 from zaya.resilience.incidents import read_incidents
+from zaya.resilience.processes import descendants, process_state
 from zaya.resilience.supervisor import EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_STOPPED
 from zaya.train.metrics import read_metrics
 
@@ -247,8 +247,7 @@ def test_a_killed_supervisor_takes_its_group_with_it(tmp_path):
         deadline = time.time() + 60
         children = []
         while not children and time.time() < deadline:
-            children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                        and _parent(p) == supervisor.pid]
+            children = descendants(supervisor.pid)
             time.sleep(0.1)
         assert children, "the supervisor did not start its command"
         supervisor.kill()
@@ -260,13 +259,6 @@ def test_a_killed_supervisor_takes_its_group_with_it(tmp_path):
     finally:
         if supervisor.poll() is None:
             supervisor.kill()
-
-
-def _parent(proc: Path) -> int:
-    try:
-        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def test_a_hang_the_policy_only_logs_is_recorded_once_and_the_run_goes_on(tmp_path):

@@ -11,8 +11,6 @@ to an address of neither node's link (often loopback), the two agents never form
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import os
 import shutil
@@ -29,6 +27,7 @@ import zaya
 from conftest import write_config
 from multiprocess import free_port
 from zaya.resilience.incidents import read_incidents
+from zaya.resilience.processes import descendants, signal_all
 from zaya.resilience.supervisor import EXIT_OK, EXIT_STOPPED
 from zaya.train.metrics import read_metrics
 
@@ -123,25 +122,9 @@ def _torchrun(node: Node, host: Node, port: int, config: Path, run: Path) -> lis
             "--monitor-interval=0.2", "-m", "zaya.cli", "train", str(config), "--run-dir", str(run)]
 
 
-def _tree(pid: int) -> list[int]:
-    """`pid` and every process below it: torchrun puts its workers in sessions of their own, out of killpg's
-    reach, and once their parents are killed they cannot be found any more."""
-    children = collections.defaultdict(list)
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            children[int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])].append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += children.get(found[-1], [])
-    return found
-
-
 def _kill_tree(process: subprocess.Popen) -> None:
     if process.poll() is None:
-        for pid in _tree(process.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        signal_all([process.pid, *descendants(process.pid)], signal.SIGKILL)
     process.wait()
 
 

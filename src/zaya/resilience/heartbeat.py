@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zaya.resilience.findings import Finding
+from zaya.resilience.processes import process_state
 
 ENV = "ZAYA_HEARTBEAT_DIR"
 SECTIONS = ("init", "checkpoint_load", "step", "eval", "checkpoint_save", "done")
@@ -112,15 +113,6 @@ def read_beats(directory: Path) -> dict[int, dict]:
         except (OSError, ValueError, KeyError):
             continue  # a torn read cannot happen (rename), but a file from a foreign writer might
     return beats
-
-
-def process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of `pid` (R, S, D, T for stopped, Z), or None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()[0]
 
 
 class HeartbeatWatcher:

@@ -55,6 +55,7 @@ from zaya.resilience.heartbeat import HeartbeatWatcher
 from zaya.resilience.incidents import IncidentLog
 from zaya.resilience.policy import TRAINING_ACTIONS, Policy
 from zaya.resilience.probes import build_probes
+from zaya.resilience.processes import descendants, process_state, signal_all
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -352,44 +353,20 @@ def _tee(stream, path: Path, tail: collections.deque) -> None:
             tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torchrun puts its workers in sessions of their own: killpg misses them)."""
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children[ppid].append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def _kill(process: subprocess.Popen, watcher: HeartbeatWatcher, *, graceful: bool, grace: float) -> None:
     """End the whole group: SIGTERM and `grace` seconds to exit (unless it is hung), then SIGKILL for all."""
-    victims = {process.pid, *_descendants(process.pid)}
-    victims |= {int(b["pid"]) for b in watcher.beats().values() if heartbeat.process_state(int(b["pid"]))}
+    victims = {process.pid, *descendants(process.pid)}
+    victims |= {int(b["pid"]) for b in watcher.beats().values() if process_state(int(b["pid"]))}
     if graceful and process.poll() is None:
-        _signal_all(victims, signal.SIGTERM)
+        signal_all(victims, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(grace)
-    victims |= set(_descendants(process.pid)) if process.poll() is None else set()
-    _signal_all(victims, signal.SIGKILL)
+    victims |= set(descendants(process.pid)) if process.poll() is None else set()
+    signal_all(victims, signal.SIGKILL)
     process.wait()
     deadline = time.time() + 10
-    while time.time() < deadline and any(heartbeat.process_state(pid) not in (None, "Z") for pid in victims):
+    while time.time() < deadline and any(process_state(pid) not in (None, "Z") for pid in victims):
         time.sleep(0.05)
-
-
-def _signal_all(pids, sig) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
 
 
 def default_state_dir(command: list[str]) -> Path:

@@ -17,12 +17,24 @@ from zaya.errors import ZayaError
 from zaya.model.flops import training_flops_per_token
 from zaya.resilience.faults import RUN_ENV
 from zaya.resilience.findings import Finding
-from zaya.resilience.signals import straggler
+from zaya.resilience.incidents import IncidentLog
+from zaya.resilience.policy import Policy
+from zaya.resilience.signals import SpikeDetector, straggler
 from zaya.train import checkpoint as ckpt
 
 
 class TrainingSignals:
     """The trainer's non-finite, spike and straggler handling."""
+
+    def _init_signals(self) -> None:
+        """The policy (the supervisor's, or the built-in one) and what the signals remember between steps."""
+        self.policy = Policy.from_env()
+        self.incidents = IncidentLog.for_trainer(self.run_dir)
+        self.spikes = SpikeDetector(self.policy.training)
+        self._windows: list[tuple[int, int]] = []  # consumed samples before and after each recent step
+        self._skipped_in_row = 0  # non-finite steps in a row
+        self._pending_rollback: Finding | None = None  # a non-finite step the policy rolls back
+        self._straggler: str | None = None  # the subject of the rank reported as straggling
 
     def _incident(self, finding: Finding, action: str, outcome: str) -> None:
         """Record a decision (rank 0: every rank takes the same one) and say it in the log."""
@@ -55,12 +67,11 @@ class TrainingSignals:
         """The step's training signals: spikes, stragglers, a rollback the non-finite check asked for.
         Returns True if the run was rolled back."""
         step = self.state.step
-        finding = getattr(self, "_pending_rollback", None)
-        self._pending_rollback = None
+        finding, self._pending_rollback = self._pending_rollback, None
         if finding is None and not row["skipped"]:
             finding = self.spikes.check(step, row["loss"])
         slow = straggler(step, row["host_time"], self.policy.training)
-        if slow is not None and slow.subject != getattr(self, "_straggler", None):
+        if slow is not None and slow.subject != self._straggler:
             # once when a rank starts to straggle, not at every step it goes on straggling
             self._incident(slow, self.policy.decide(slow).action, "reported")
         self._straggler = slow.subject if slow is not None else None

@@ -57,9 +57,7 @@ from zaya.parallel.launch import Launch
 from zaya.parallel.mesh import ParallelContext, init_parallel
 from zaya.resilience.faults import FaultInjector
 from zaya.resilience.heartbeat import Heartbeat
-from zaya.resilience.incidents import IncidentLog
-from zaya.resilience.policy import Policy
-from zaya.resilience.signals import SpikeDetector, as_ranges
+from zaya.resilience.signals import as_ranges
 from zaya.train import checkpoint as ckpt
 from zaya.train import state as train_state
 from zaya.train.balance import BalanceController, load_imbalance
@@ -100,11 +98,7 @@ class Trainer(TrainingSignals):
         # the supervisor's channels; inert without it (no heartbeat file, the built-in policy)
         self.heartbeat = Heartbeat.from_env(self.launch.rank)
         self.heartbeat.beat("init", 0)
-        self.policy = Policy.from_env()
-        self.incidents = IncidentLog.for_trainer(self.run_dir)
-        self.spikes = SpikeDetector(self.policy.training)
-        self._windows: list[tuple[int, int]] = []  # consumed samples before and after each recent step
-        self._skipped_in_row = 0
+        self._init_signals()
         self.model_config = config.model_config()
         self.phases = config.resolved_phases()
         device = resolve_device(None if config.train.device == "auto" else config.train.device)
