@@ -20,6 +20,7 @@ Per token t (x_t is the RMSNorm'd stream, j = h // g the KV head of query head h
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,23 @@ from zaya.model.config import ZayaConfig
 from zaya.model.layers import apply_rotary
 
 _SHORT_INPUT = 8  # tokens up to which the convolutions run as a direct contraction
+
+
+class SequenceShard(Protocol):
+    """A sequence split over several devices (`zaya.parallel.context.ContextParallel`): this device holds
+    `segments` contiguous runs of it, of equal length, side by side. The layer keeps its single-device math and
+    asks the shard for the two things that cross devices."""
+
+    segments: int
+
+    def exchange_halo(self, tails: torch.Tensor) -> torch.Tensor:
+        """[B, segments, n] -> [B, segments, n]: what each segment ends with -> what the run of the global
+        sequence just before each segment ends with (zeros before the first token)."""
+        ...
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the local queries over the whole sequence's keys and values."""
+        ...
 
 
 class AttentionCache:
@@ -171,10 +189,12 @@ class CompressedConvAttention(nn.Module):
         conv_past: torch.Tensor | None = None,
         value_past: torch.Tensor | None = None,
         weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        sequence: SequenceShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Steps 1-7 for T new tokens, after `conv_past` (the last P packed vectors p, [B, P, C]) and
         `value_past` (the last W_vdel x, [B, 1, n_k d / 2]); None means the sequence starts here.
-        `weights` are `derived_weights()`, when the caller has them.
+        `weights` are `derived_weights()`, when the caller has them. With a `sequence` shard, x holds its
+        segments and the states before each come from `sequence.exchange_halo` (the two pasts must be None).
 
         Returns q [B, n_q, T, d], k and v [B, n_k, T, d], and the two states after these tokens.
         """
@@ -193,17 +213,30 @@ class CompressedConvAttention(nn.Module):
         mu_q = (p[..., :Q].reshape(B, T, Hk, g, d) + p[..., Q:].reshape(B, T, Hk, 1, d)) * 0.5
         mu = torch.cat([mu_q.reshape(B, T, Hq, d), mu_q.mean(dim=3)], dim=2)
 
+        # Each run of consecutive tokens (one, unless the sequence is sharded) is a row of its own for the
+        # convolutions and the value shift, which reach back P tokens and one token across its start.
+        S = sequence.segments if sequence is not None else 1
+        rows, L = B * S, T // S
+        p_rows, v_del_rows = p.reshape(rows, L, Q + K), v_del_now.reshape(rows, L, K // 2)
+        if sequence is not None:
+            tails = torch.cat([p_rows[:, L - P:].reshape(B, S, P * (Q + K)), v_del_rows[:, -1].view(B, S, K // 2)],
+                              dim=-1)
+            conv_past, value_past = sequence.exchange_halo(tails).reshape(rows, -1).split(
+                [P * (Q + K), K // 2], dim=-1)
+            conv_past, value_past = conv_past.view(rows, P, Q + K), value_past.view(rows, 1, K // 2)
+
         # 3. the causal convolutions over p_t = [q~_t | k~_t]; their state is the last P vectors of p
-        past = p.new_zeros(B, P, Q + K) if conv_past is None else conv_past.to(dtype)
-        p_ext = torch.cat([past, p], dim=1)
-        z = self._convolve(p_ext, T, M, c).to(dtype)
+        past = p.new_zeros(rows, P, Q + K) if conv_past is None else conv_past.to(dtype)
+        p_ext = torch.cat([past, p_rows], dim=1)
+        z = self._convolve(p_ext, L, M, c).to(dtype).reshape(B, T, Hq + Hk, d)
 
         # 4. add the mean-shared residuals back: q and k heads side by side, [B, T, Hq + Hk, d]
         qk = z + mu
 
         # 5. value shift: KV heads 0..Hk/2-1 read the current token, the rest the previous one
-        v_prev = v_del_now.new_zeros(B, 1, K // 2) if value_past is None else value_past.to(dtype)
-        v = torch.cat([v_cur, torch.cat([v_prev, v_del_now[:, :-1]], dim=1)], dim=-1).view(B, T, Hk, d)
+        v_prev = v_del_now.new_zeros(rows, 1, K // 2) if value_past is None else value_past.to(dtype)
+        v_del = torch.cat([v_prev, v_del_rows[:, :-1]], dim=1).reshape(B, T, K // 2)
+        v = torch.cat([v_cur, v_del], dim=-1).view(B, T, Hk, d)
 
         # 6. L2 normalisation to length sqrt(d), then the key temperature (queries: 1)
         eps = torch.finfo(qk.dtype).eps
@@ -212,25 +245,35 @@ class CompressedConvAttention(nn.Module):
 
         # 7. partial RoPE at absolute positions
         qk = apply_rotary(qk, *rope).transpose(1, 2)
-        return qk[:, :Hq], qk[:, Hq:], v.transpose(1, 2), p_ext[:, T:], v_del_now[:, -1:]
+        # the states after the last token (of the last segment, with a sequence shard)
+        return qk[:, :Hq], qk[:, Hq:], v.transpose(1, 2), p_ext.view(B, S, L + P, -1)[:, -1, L:], v_del_now[:, -1:]
 
     def forward(
         self,
         x_BTD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         cache: AttentionCache | None = None,
+        sequence: SequenceShard | None = None,
     ) -> torch.Tensor:
-        """`rope` is (cos, sin, partner) from `RotaryEmbedding` for the positions of x's tokens."""
+        """`rope` is (cos, sin, partner) from `RotaryEmbedding` for the positions of x's tokens. With a
+        `sequence` shard, x is this device's part of a sequence; a `cache` then keeps this part's keys and
+        values (a sharded prefill)."""
         B, T, _ = x_BTD.shape
         conv_past, value_past = (cache.conv_state, cache.value_state) if cache is not None else (None, None)
-        q, k, v, conv_state, value_state = self.project(x_BTD, rope, conv_past, value_past)
+        if sequence is not None:
+            conv_past = value_past = None
+        q, k, v, conv_state, value_state = self.project(x_BTD, rope, conv_past, value_past, sequence=sequence)
         past_len = 0
         if cache is not None:
             cache.conv_state, cache.value_state = conv_state.detach(), value_state.detach()
             past_len = cache.length
-            k, v = cache.append(k, v)
-        # 8. grouped-query causal attention (over the cache when decoding), then W_o
-        out = _causal_attention(q, k, v, past_len)
+            if sequence is None:
+                k, v = cache.append(k, v)
+            else:
+                cache.append(k, v)
+        # 8. grouped-query causal attention (over the cache when decoding, over every shard's keys for a
+        # sharded sequence), then W_o
+        out = sequence.attention(q, k, v) if sequence is not None else _causal_attention(q, k, v, past_len)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 

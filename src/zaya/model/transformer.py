@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zaya.model.attention import AttentionCache, CompressedConvAttention, DecodeCache
+from zaya.model.attention import AttentionCache, CompressedConvAttention, DecodeCache, SequenceShard
 from zaya.model.config import ZayaConfig
 from zaya.model.layers import EmbeddingScaling, ResidualScaling, RMSNorm, RotaryEmbedding
 from zaya.model.loss import linear_cross_entropy
@@ -79,8 +79,9 @@ class ZayaBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         cache: AttentionCache | None = None,
         stats: RouterStats | None = None,
+        sequence: SequenceShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.after_attention(self.attn(self.attn_norm(h), rope, cache), h, router_state, stats)
+        return self.after_attention(self.attn(self.attn_norm(h), rope, cache, sequence), h, router_state, stats)
 
     def after_attention(
         self,
@@ -162,17 +163,21 @@ class Zaya(nn.Module):
         input_ids: torch.Tensor,
         cache: DecodeCache | None = None,
         router_stats: RouterStats | None = None,
+        sequence: SequenceShard | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The final-normed hidden states [B, T, D], before the tied LM head."""
+        """The final-normed hidden states [B, T, D], before the tied LM head. With a `sequence` shard the ids
+        are this device's part of a longer sequence, at global `positions` [T]."""
         T = input_ids.shape[1]
-        past = cache.length if cache is not None else 0
-        positions = torch.arange(past, past + T, device=input_ids.device)
+        if positions is None:
+            past = cache.length if cache is not None else 0
+            positions = torch.arange(past, past + T, device=input_ids.device)
         rope = (*self.rotary(positions), self.rotary.partner)
         h = self.embed_scaling(self.embed(input_ids))
         router_state = None
         for i, block in enumerate(self.blocks):
             layer_cache = cache.layers[i] if cache is not None else None
-            h, router_state = block(h, router_state, rope, layer_cache, router_stats)
+            h, router_state = block(h, router_state, rope, layer_cache, router_stats, sequence)
         return self.norm(h)
 
     def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
@@ -189,9 +194,12 @@ class Zaya(nn.Module):
         *,
         router_stats: RouterStats | None = None,
         chunk_rows: int | None = None,
+        sequence: SequenceShard | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Mean next-token cross-entropy of `targets` [B, T] (-100 = ignored), without materialising logits."""
-        hidden = self.hidden_states(input_ids, router_stats=router_stats)
+        """Mean next-token cross-entropy of `targets` [B, T] (-100 = ignored), without materialising logits.
+        With a `sequence` shard: over this device's part of the sequence (ids, targets and their positions)."""
+        hidden = self.hidden_states(input_ids, router_stats=router_stats, sequence=sequence, positions=positions)
         return linear_cross_entropy(
             hidden.flatten(0, 1), self.embed.weight, targets.flatten(),
             fp32_logits=self.config.fp32_logits, chunk_rows=chunk_rows,
