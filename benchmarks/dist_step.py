@@ -64,7 +64,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     context = init_parallel(ParallelConfig(), torch.device("cpu"), Launch.from_env())
     config = RunConfig()
     config.train.precision = args.precision
-    model = parallelize(zaya.build_model(args.preset, seed=0), context.mesh, config, context.counter)
+    model = parallelize(zaya.build_model(args.preset, seed=0), context.fsdp_mesh, config, context.counter)
     optimizer = build_optimizer(model, OptimConfig(ns_dtype=args.ns_dtype), comm=context.counter)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(rank)

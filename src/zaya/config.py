@@ -9,7 +9,7 @@
     [checkpoint] dir, every, keep, async_save
     [logging]    log_every, tensorboard, progress
     [parallel]   the device mesh (dp_replicate, dp_shard, cp), backend, timeouts (zaya.parallel.mesh)
-    [[phases]]   optional: name, tokens, sources, seq_len, lr_scale, rope_theta
+    [[phases]]   optional: name, tokens, sources, seq_len, lr_scale, rope_theta, cp
 
 Unknown keys and wrong types are errors that name the key and the file; nothing is silently ignored.
 """
@@ -133,6 +133,7 @@ class Phase:
     seq_len: int = 0  # 0: data.seq_len
     lr_scale: float = 1.0  # multiplies the schedule inside this phase
     rope_theta: float = 0.0  # 0: keep the model's
+    cp: int = 0  # context-parallel ranks per sequence in this phase; 0: parallel.cp
 
 
 @dataclass
@@ -158,7 +159,8 @@ class RunConfig:
         resolved = []
         for phase in phases:
             sources = phase.sources or [Source(self.data.path)]
-            resolved.append(dataclasses.replace(phase, sources=sources, seq_len=phase.seq_len or self.data.seq_len))
+            resolved.append(dataclasses.replace(phase, sources=sources, seq_len=phase.seq_len or self.data.seq_len,
+                                                cp=phase.cp or self.parallel.cp))
         return resolved
 
     def to_dict(self) -> dict:
@@ -315,6 +317,7 @@ def _validate(config: RunConfig) -> None:
         _positive(config, f"phases.{i}.seq_len", phase.seq_len, allow_zero=True)
         _positive(config, f"phases.{i}.lr_scale", phase.lr_scale)
         _positive(config, f"phases.{i}.rope_theta", phase.rope_theta, allow_zero=True)
+        _positive(config, f"phases.{i}.cp", phase.cp, allow_zero=True)
         for j, source in enumerate(phase.sources):
             _positive(config, f"phases.{i}.sources.{j}.weight", source.weight)
         if phase.tokens == 0 and i != len(config.phases) - 1:

@@ -30,7 +30,7 @@ def _model(**overrides):
 
 def _volume_worker(rank: int, world: int, replicas: int, precision: str) -> dict:
     context = init_parallel(ParallelConfig(dp_replicate=replicas), torch.device("cpu"), Launch.from_env())
-    model = parallelize(_model(fp32_logits=True), context.mesh, _run_config(precision), context.counter)
+    model = parallelize(_model(fp32_logits=True), context.fsdp_mesh, _run_config(precision), context.counter)
     seen = {}
 
     def note(name: str, weight: str):
@@ -73,7 +73,7 @@ def one_rank():
 @pytest.mark.parametrize("checkpointing", ["full", "moe"])
 def test_activation_checkpointing_changes_no_number(one_rank, checkpointing):
     plain = _model()
-    sharded = parallelize(copy.deepcopy(plain), one_rank.mesh, _run_config(checkpointing=checkpointing))
+    sharded = parallelize(copy.deepcopy(plain), one_rank.fsdp_mesh, _run_config(checkpointing=checkpointing))
     ids = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(3))
     results = []
     for model in (plain, sharded):

@@ -101,10 +101,32 @@ def generate(
             position.add_(1)
             return logits
 
-    finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=device)
+    return decode_loop(logits, step, max_new_tokens, sampling, generator, eos_token_id=eos_token_id,
+                       on_token=on_token)
+
+
+def decode_loop(
+    logits: torch.Tensor,
+    step: Callable[[torch.Tensor], torch.Tensor],
+    max_new_tokens: int,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+    *,
+    eos_token_id: int | None = None,
+    on_token: Callable[[torch.Tensor], None] | None = None,
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The token loop of `generate` once the prompt's last logits [B, V] are known: pick a token, stop at eos
+    or after `max_new_tokens`, else `step(token)` for the next logits. Returns the tokens [B, n].
+
+    `agree` maps each picked token [B] to the one every process uses (a sharded decoder broadcasts one
+    rank's choice, so that ranks whose logits differ in the last bit cannot drift apart)."""
+    finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     out = []
     for i in range(max_new_tokens):
         token = next_token(logits, sampling, generator)
+        if agree is not None:
+            token = agree(token)
         if eos_token_id is not None:
             token = token.masked_fill(finished, eos_token_id)
             finished |= token == eos_token_id
@@ -115,5 +137,5 @@ def generate(
             break
         logits = step(token)
     if not out:
-        return prompt_ids.new_zeros(prompt_ids.shape[0], 0)
+        return torch.zeros(logits.shape[0], 0, dtype=torch.long, device=logits.device)
     return torch.stack(out, dim=1)

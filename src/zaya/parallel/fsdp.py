@@ -1,5 +1,7 @@
 """`parallelize(model, mesh, config)`: activation checkpointing, compilation and FSDP2 / HSDP, applied from
-outside to a plain `Zaya` (the model files know nothing of ranks).
+outside to a plain `Zaya` (the model files know nothing of ranks). Context parallelism needs nothing here:
+FSDP2 shards over dp_shard x cp together (`ParallelContext.fsdp_mesh`), and the trainer hands each forward
+its `zaya.parallel.context.ContextParallel`.
 
 Order (torchtitan's): checkpointing, then compilation, then sharding, so that FSDP's hooks wrap each block's
 checkpointed, compiled forward. The same code runs on one rank (a one-rank mesh: nothing is split, nothing
@@ -83,9 +85,9 @@ def unit_parameters(model: Zaya) -> list[tuple[Unit, list[nn.Parameter]]]:
 
 
 def parallelize(model: Zaya, mesh: DeviceMesh, config: RunConfig, counter: CommCounter | None = None) -> Zaya:
-    """Apply `config.train.activation_checkpointing`, `config.train.compile` and FSDP2 (HSDP when the mesh's
-    `dp_replicate` dimension has more than one rank) to `model`, in place; returns it. `counter` counts the
-    bytes FSDP sends."""
+    """Apply `config.train.activation_checkpointing`, `config.train.compile` and FSDP2 to `model`, in place;
+    returns it. `mesh` is `ParallelContext.fsdp_mesh`: one dimension (the shards), or two (replicas, shards:
+    HSDP). `counter` counts the bytes FSDP sends."""
     train = config.train
     if train.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ZayaError(f"{config.source}: key 'train.activation_checkpointing' must be one of "
@@ -97,9 +99,9 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: RunConfig, counter: CommC
             checkpoint(block.moe)
         if train.compile:
             block.compile()
-    replicas = mesh["dp_replicate"].size()
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if replicas > 1 else mesh["dp_shard"]
-    ranks = mesh["dp_shard"].size()
+    dp_mesh = mesh
+    replicas = mesh.size(0) if mesh.ndim == 2 else 1
+    ranks = mesh.size(mesh.ndim - 1)
     bf16 = train.precision == "bf16"
 
     def placement(param: nn.Parameter) -> Shard:

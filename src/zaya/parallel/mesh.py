@@ -4,13 +4,19 @@ One `DeviceMesh` with named dimensions, outermost first:
 
     dp_replicate   HSDP replicas (each holds a full copy of the sharded state); usually across nodes
     dp_shard       FSDP2 shards the parameters, gradients and optimizer state over these ranks
-    cp             context parallelism (reserved for the long-context work: only 1 today)
+    cp             context parallelism: the ranks of a cp group split one sequence (zaya.parallel.context)
+                   and read the same data
 
 Rank r sits at (r // (S C), (r // C) % S, r % C) for sizes (R, S, C), so a node's consecutive ranks share
-their dp_shard and cp groups. Every group, the default one, each mesh dimension's and a separate gloo control
-group (checkpoint barriers and async saves, never queued behind training collectives), is made with the
-configured timeout, long enough that a network blip does not kill a long job (the supervisor's heartbeats
-catch real hangs much sooner), and lives under the restart-safe store of `zaya.parallel.launch`.
+their dp_shard and cp groups. FSDP2 shards over dp_shard and cp together (`ParallelContext.fsdp_mesh`, the
+dimension `dp_shard_cp` of S C ranks, as in torchtitan): context-parallel ranks hold different tokens of
+the same sequences, so their gradients are summed like those of different data, and the parameters and
+optimizer state are spread over all of them.
+
+Every group, the default one, each mesh dimension's and a separate gloo control group (checkpoint barriers
+and async saves, never queued behind training collectives), is made with the configured timeout, long
+enough that a network blip does not kill a long job (the supervisor's heartbeats catch real hangs much
+sooner), and lives under the restart-safe store of `zaya.parallel.launch`.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from zaya.parallel.launch import DEFAULT_INIT_TIMEOUT_S, Launch
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
 BACKENDS = ("auto", "nccl", "gloo")
+CP_KERNELS = ("allgather", "ring")
+CP_SHARDINGS = ("headtail", "contiguous")
 
 
 @dataclass
@@ -39,6 +47,8 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: every rank the other dimensions leave
     cp: int = 1
+    cp_kernel: str = "allgather"  # "ring" passes key/value blocks rank to rank, overlapped with compute
+    cp_sharding: str = "headtail"  # "contiguous": chunk r on rank r (for debugging; unbalanced work)
     backend: str = "auto"  # "auto": nccl on GPUs (CUDA and ROCm), gloo on the CPU
     timeout_s: float = 1800.0  # every process group's collective timeout
     init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S  # joining the job: the store, the start-up check
@@ -51,9 +61,10 @@ class ParallelConfig:
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise ZayaError(f"{source}: key 'parallel.dp_shard' must be at least 1, or -1 for every rank the "
                             f"other dimensions leave, got {self.dp_shard}")
-        if self.cp > 1:
-            raise ZayaError(f"{source}: key 'parallel.cp' is {self.cp}, but context parallelism does not exist "
-                            "yet; use 1")
+        for key, allowed in (("cp_kernel", CP_KERNELS), ("cp_sharding", CP_SHARDINGS)):
+            if getattr(self, key) not in allowed:
+                raise ZayaError(f"{source}: key 'parallel.{key}' must be one of {', '.join(allowed)}, "
+                                f"got {getattr(self, key)!r}")
         if self.backend not in BACKENDS:
             raise ZayaError(f"{source}: key 'parallel.backend' must be one of {', '.join(BACKENDS)}, "
                             f"got {self.backend!r}")
@@ -67,7 +78,7 @@ class ParallelConfig:
         if shard == -1:
             if world_size % (replicate * cp):
                 raise ZayaError(f"{source}: {world_size} ranks do not divide into parallel.dp_replicate = "
-                                f"{replicate} x parallel.cp = {cp}")
+                                f"{replicate} x parallel.cp = {cp} (parallel.cp must divide the world size)")
             shard = world_size // (replicate * cp)
         if replicate * shard * cp != world_size:
             raise ZayaError(f"{source}: parallel.dp_replicate x dp_shard x cp = {replicate} x {shard} x {cp} = "
@@ -88,6 +99,7 @@ class ParallelContext:
 
     launch: Launch
     mesh: DeviceMesh
+    fsdp_mesh: DeviceMesh  # (dp_replicate, dp_shard_cp) with HSDP, else (dp_shard_cp,): what FSDP2 shards over
     backend: str
     control_group: object
     timeout_s: float
@@ -111,6 +123,14 @@ class ParallelContext:
     def dp_size(self) -> int:
         """Ranks that read different data: replicas times shards (context-parallel ranks share theirs)."""
         return self.mesh["dp_replicate"].size() * self.mesh["dp_shard"].size()
+
+    @property
+    def cp_size(self) -> int:
+        return self.mesh["cp"].size()
+
+    @property
+    def cp_group(self):
+        return self.mesh.get_group("cp")
 
     @property
     def dp_rank(self) -> int:
@@ -145,8 +165,19 @@ def init_parallel(
     groups = [_dimension_group(shape, dim, launch.rank, backend, timeout) for dim in range(len(MESH_DIMS))]
     layout = torch.arange(launch.world_size, dtype=torch.int).view(shape)
     mesh = DeviceMesh.from_group(groups, device.type, mesh=layout, mesh_dim_names=MESH_DIMS)
+    replicate, shard, cp = shape
+    # dp_shard and cp flattened: its own group, unless one of the two has a single rank
+    flat = (replicate, shard * cp)
+    shard_cp = groups[1] if cp == 1 else groups[2] if shard == 1 else \
+        _dimension_group(flat, 1, launch.rank, backend, timeout)
+    if replicate > 1:
+        fsdp_mesh = DeviceMesh.from_group([groups[0], shard_cp], device.type, mesh=layout.view(flat),
+                                          mesh_dim_names=("dp_replicate", "dp_shard_cp"))
+    else:
+        fsdp_mesh = DeviceMesh.from_group(shard_cp, device.type, mesh=layout.view(-1),
+                                          mesh_dim_names=("dp_shard_cp",))
     control = dist.new_group(backend="gloo", timeout=timeout)
-    return ParallelContext(launch, mesh, backend, control, config.timeout_s, config.init_timeout_s,
+    return ParallelContext(launch, mesh, fsdp_mesh, backend, control, config.timeout_s, config.init_timeout_s,
                            owns_process_group=owns)
 
 

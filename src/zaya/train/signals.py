@@ -106,6 +106,7 @@ class TrainingSignals:
         if current.rope_theta:
             self.model.set_rope_theta(current.rope_theta)
         self.flops_per_token = training_flops_per_token(self.model_config, current.seq_len)
+        self.sequence = self._sequence(current)
         self._windows = []
         self.metrics = self._open_metrics()
         self._incident(finding, "rollback", f"rolled back to step {self.state.step}; samples [{start}, {stop}) "

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from zaya.config import RunConfig
+from zaya.config import Phase, RunConfig
 from zaya.data.loader import TokenLoader
 from zaya.data.ramp import BatchRamp
 from zaya.data.shards import open_dataset
@@ -48,13 +48,15 @@ from zaya.device import (
 )
 from zaya.errors import ZayaError
 from zaya.model.flops import training_flops_per_token
+from zaya.model.loss import IGNORE_INDEX
 from zaya.model.transformer import RouterStats, Zaya
 from zaya.optim import build_optimizer, describe_param_groups, set_lr_multiplier
 from zaya.parallel.comm import all_reduce
+from zaya.parallel.context import ContextParallel, SequenceLayout
 from zaya.parallel.dtensor import clip_grad_norm_
 from zaya.parallel.fsdp import parallelize
 from zaya.parallel.launch import Launch
-from zaya.parallel.mesh import ParallelContext, init_parallel
+from zaya.parallel.mesh import ParallelConfig, ParallelContext, init_parallel
 from zaya.resilience.faults import FaultInjector
 from zaya.resilience.heartbeat import Heartbeat
 from zaya.resilience.signals import as_ranges
@@ -108,16 +110,30 @@ class Trainer(TrainingSignals):
 
     # ---- checks that run before anything is written ------------------------------------------------------
 
+    def _parallel_config(self, phase: Phase) -> ParallelConfig:
+        """`[parallel]` with the phase's context-parallel size."""
+        return dataclasses.replace(self.config.parallel, cp=phase.cp)
+
     def _check_inputs(self) -> None:
         train, where = self.config.train, self.config.source
-        replicate, shard, _ = self.config.parallel.shape(self.launch.world_size, where)
         self.config.parallel.backend_for(self.device, where)
         ramp = self.ramp()
-        for size in ramp.sizes():
-            if size % (replicate * shard):
-                key = "train.global_batch_size" if size == train.global_batch_size else "data.ramp_start"
-                raise ZayaError(f"{where}: key '{key}': a global batch of {size} sequences does not split evenly "
-                                f"over the {replicate * shard} data-parallel ranks (parallel.dp_replicate x dp_shard)")
+        for index, phase in enumerate(self.phases):
+            replicate, shard, cp = self._parallel_config(phase).shape(self.launch.world_size, where)
+            for size in ramp.sizes():
+                if size % (replicate * shard):
+                    key = "train.global_batch_size" if size == train.global_batch_size else "data.ramp_start"
+                    raise ZayaError(f"{where}: key '{key}': a global batch of {size} sequences does not split "
+                                    f"evenly over the {replicate * shard} data-parallel ranks (parallel.dp_replicate "
+                                    f"x dp_shard, with cp = {cp})")
+            if cp > 1:
+                key = f"phases.{index}.seq_len" if self.config.phases and self.config.phases[index].seq_len \
+                    else "data.seq_len"
+                layout = SequenceLayout(phase.seq_len, cp, self.config.parallel.cp_sharding)
+                problem = layout.check(min_chunk=self.model_config.conv_padding)
+                if problem:
+                    raise ZayaError(f"{where}: key '{key}' = {phase.seq_len} with parallel.cp = {cp} "
+                                    f"({self.config.parallel.cp_sharding} sharding): {problem}")
         fingerprints = {}
         for phase in self.phases:
             datasets = [open_dataset(source.path) for source in phase.sources]  # clear errors if missing
@@ -129,6 +145,7 @@ class Trainer(TrainingSignals):
         manager = ckpt.CheckpointManager(self.checkpoint_dir, keep=self.config.checkpoint.keep,
                                          rank=self.launch.rank)
         self.resume_from = manager.newest_valid(log=self._say) if self.checkpoint_dir.is_dir() else None
+        self.start_phase = 0  # the phase the mesh is built for
         if self.resume_from is not None:
             version = ckpt.read_json(self.resume_from / ckpt.CONFIG_FILE).get("version")
             if version != ckpt.VERSION:
@@ -136,6 +153,7 @@ class Trainer(TrainingSignals):
                                 f"state this version ({ckpt.VERSION}) cannot resume; its model still loads "
                                 "(zaya convert, zaya.load_model)")
             saved = ckpt.read_json(self.resume_from / ckpt.TRAIN_STATE_FILE)["state"]
+            self.start_phase = min(int(saved.get("phase", 0)), len(self.phases) - 1)
             for phase in self.phases:
                 now = fingerprints[phase.name]
                 before = saved.get("fingerprints", {}).get(phase.name)
@@ -175,8 +193,11 @@ class Trainer(TrainingSignals):
     def _build(self) -> None:
         train = self.config.train
         tune_host_allocator()
-        self.parallel: ParallelContext = init_parallel(self.config.parallel, self.device, self.launch,
-                                                       self.config.source)
+        previous = getattr(self, "parallel", None)
+        self.parallel: ParallelContext = init_parallel(self._parallel_config(self.phases[self.start_phase]),
+                                                       self.device, self.launch, self.config.source)
+        if previous is not None:  # a new mesh for a phase of another cp size, in the same process group
+            self.parallel.owns_process_group = previous.owns_process_group
         if self.resume_from is not None:
             warm = threading.Thread(target=prewarm, args=(self.resume_from,), daemon=True)
             warm.start()  # the page cache fills while the model is being built
@@ -186,7 +207,7 @@ class Trainer(TrainingSignals):
         routers = [block.moe.router for block in model.blocks]
         balance = self.config.balance
         self.controller = BalanceController(routers, balance.kp, balance.ki, balance.kd, balance.error)
-        self.model = parallelize(model, self.parallel.mesh, self.config, self.parallel.counter)
+        self.model = parallelize(model, self.parallel.fsdp_mesh, self.config, self.parallel.counter)
         self.optimizer = build_optimizer(self.model, self.config.optim, comm=self.parallel.counter)
         self.manager = ckpt.CheckpointManager(self.checkpoint_dir, keep=self.config.checkpoint.keep,
                                               rank=self.launch.rank, world_size=self.launch.world_size,
@@ -199,11 +220,40 @@ class Trainer(TrainingSignals):
         if self.phases[self.state.phase].rope_theta:
             self.model.set_rope_theta(self.phases[self.state.phase].rope_theta)
         self.flops_per_token = training_flops_per_token(self.model_config, self.phases[self.state.phase].seq_len)
+        self.sequence = self._sequence(self.phases[self.state.phase])
         dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
         self.peak, self.peak_source = peak_flops(self.device, dtype)
 
+    def _sequence(self, phase: Phase) -> ContextParallel | None:
+        """The phase's context-parallel split of every sequence over this rank's cp group (None: unsplit)."""
+        if self.parallel.cp_size == 1:
+            return None
+        if phase.cp != self.parallel.cp_size:
+            raise ZayaError(f"phase '{phase.name}' needs cp = {phase.cp}, the mesh has {self.parallel.cp_size}")
+        layout = SequenceLayout(phase.seq_len, phase.cp, self.config.parallel.cp_sharding)
+        return ContextParallel(layout, self.parallel.cp_group, self.config.parallel.cp_kernel,
+                               self.parallel.counter)
+
+    def _micro_loss(self, micro: torch.Tensor, stats: RouterStats | None) -> tuple[torch.Tensor, float]:
+        """The next-token loss of the micro-batch `micro` [b, seq_len + 1], and the factor its gradient needs.
+
+        Split over a cp group, each rank's loss is its part of the micro-batch's mean (its tokens' summed
+        loss over the micro-batch's valid tokens), so that the parts add up to the unsplit loss; FSDP2
+        averages gradients over dp_shard x cp, so the gradient is taken of cp times the part."""
+        inputs, targets = micro[:, :-1], micro[:, 1:]
+        cp = self.sequence
+        if cp is None:
+            return self.model.loss(inputs, targets, router_stats=stats), 1.0
+        valid = targets != IGNORE_INDEX
+        inputs, targets = cp.shard(inputs), cp.shard(targets)
+        share = (targets != IGNORE_INDEX).sum() / valid.sum().clamp_min(1)
+        loss = self.model.loss(inputs, targets, router_stats=stats, sequence=cp,
+                               positions=cp.positions(micro.device))
+        return loss * share, float(cp.size)
+
     def _loader(self, index: int) -> TokenLoader:
         phase = self.phases[index]
+        self.loader_phase = index
         loader = TokenLoader([(s.path, s.weight) for s in phase.sources], phase.seq_len, self.config.train.seed,
                              rank=self.parallel.dp_rank, world_size=self.parallel.dp_size)
         saved = self.state.loaders.get(phase.name)
@@ -222,7 +272,8 @@ class Trainer(TrainingSignals):
 
     def save(self) -> None:
         step = self.state.step
-        self.state.loaders[self.phases[self.state.phase].name] = self.loader.state_dict()
+        if self.loader_phase == self.state.phase:  # not at a remesh, between the phases' loaders
+            self.state.loaders[self.phases[self.state.phase].name] = self.loader.state_dict()
         tensors, skeleton = train_state.capture(self.model, self.optimizer, self.controller.state)
         saved_state = {"state": dataclasses.asdict(self.state), "optimizer": skeleton,
                        "config": self.config.to_dict()}
@@ -278,11 +329,11 @@ class Trainer(TrainingSignals):
         for start in range(0, rows, train.micro_batch_size):
             micro = batch[start:start + train.micro_batch_size]
             with self._autocast():
-                loss = self.model.loss(micro[:, :-1], micro[:, 1:], router_stats=stats)
+                loss, grad_factor = self._micro_loss(micro, stats)
                 if factor != 1.0:  # an injected NaN or spike
                     loss = loss * factor
             with stats.paused():  # checkpointed blocks route again in backward
-                (loss * (micro.shape[0] / rows)).backward()
+                (loss * (grad_factor * micro.shape[0] / rows)).backward()
             loss_sum += loss.detach().double() * micro.shape[0]
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm_(params, train.grad_clip, self._all_reduce)
@@ -363,13 +414,29 @@ class Trainer(TrainingSignals):
             self.state.phase += 1
             self.state.phase_tokens = 0
             nxt = self.phases[self.state.phase]
-            self.loader = self._loader(self.state.phase)
+            if nxt.cp != phase.cp:
+                self._remesh(nxt)
+            else:
+                self.loader = self._loader(self.state.phase)
+                self.sequence = self._sequence(nxt)
             if nxt.rope_theta:
                 self.model.set_rope_theta(nxt.rope_theta)
             self.flops_per_token = training_flops_per_token(self.model_config, nxt.seq_len)
             self._say(f"step {self.state.step}: phase '{phase.name}' done after {self.state.tokens:,} tokens; "
                       f"starting '{nxt.name}' (seq_len {nxt.seq_len}"
                       f"{f', rope_theta {nxt.rope_theta:g}' if nxt.rope_theta else ''})")
+
+    def _remesh(self, phase: Phase) -> None:
+        """Start `phase`, whose cp size differs, on a new mesh: commit a checkpoint at the boundary, then
+        build the model, optimizer and loader again on the new mesh and load that checkpoint into them (a
+        checkpoint loads on any mesh)."""
+        self._say(f"step {self.state.step}: phase '{phase.name}' runs with cp = {phase.cp}: checkpointing and "
+                  "moving to a new mesh")
+        self.save()
+        self.manager.wait()
+        self.resume_from = self.manager.newest_valid(log=self._say)
+        self.start_phase = self.state.phase
+        self._build()
 
     def _open_metrics(self) -> MetricsLogger:
         train, logging = self.config.train, self.config.logging
@@ -389,7 +456,7 @@ class Trainer(TrainingSignals):
             for start in range(0, batch.shape[0], train.micro_batch_size):
                 micro = batch[start:start + train.micro_batch_size]
                 with self._autocast():
-                    loss = self.model.loss(micro[:, :-1], micro[:, 1:]).double()
+                    loss = self._micro_loss(micro, None)[0].double()
                 total += loss * (micro.shape[0] / batch.shape[0])
             batches += 1
         self._all_reduce(total)
