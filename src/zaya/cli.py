@@ -89,40 +89,79 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--stop-at-eos/--no-stop-at-eos", default=True, show_default=True)
 @click.option("--compile", "compile_", is_flag=True,
               help="Compile the decode step into one graph first (10-20 s once; pays off for long outputs).")
+@click.option("--shard-kv", is_flag=True,
+              help="Split the KV cache along the sequence over the job's ranks (torchrun; one rank without it) and "
+                   "decode with tree attention. Every rank loads the whole model; rank 0 prints.")
+@click.option("--shard-kernel", type=click.Choice(["tree", "ring"]), default="tree", show_default=True,
+              help="How --shard-kv combines the shards' attention: two small all-reduces (tree), or each shard "
+                   "passed around the ring of ranks (ring, the baseline).")
 def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature, top_p, seed, output, tokenizer,
-             device, dtype, stop_at_eos, compile_) -> None:
+             device, dtype, stop_at_eos, compile_, shard_kv, shard_kernel) -> None:
     """Continue a prompt with a model."""
     from zaya.api import load_model, resolve_model_dir
+    from zaya.device import rank_device, resolve_device
     from zaya.infer.generate import Sampling, check_prompt
     from zaya.infer.generate import generate as run_generate
     from zaya.infer.static import CompiledDecoder
     from zaya.infer.tokenizer import find_tokenizer, load_tokenizer
+    from zaya.parallel.launch import Launch
 
-    if (prompt is None) == (prompt_ids is None):
-        raise ZayaError("give exactly one of --prompt and --prompt-ids")
-    if greedy and (temperature is not None or top_p is not None):
-        raise ZayaError("--greedy cannot be combined with --temperature or --top-p")
-    sampling = Sampling(
-        greedy=temperature is None and top_p is None,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        seed=seed,
-    )
-    model_path, _ = resolve_model_dir(model_path)  # a run directory means its newest valid checkpoint
-    tokenizer_path = tokenizer or find_tokenizer(model_path)
-    tok = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
-    if prompt is not None and tok is None:
-        raise ZayaError(f"{model_path}: no tokenizer.json found; pass --tokenizer or use --prompt-ids")
-    model = load_model(model_path, device=device, dtype=_dtype(dtype))
-    ids = tok.encode(prompt).ids if prompt is not None else _parse_ids(prompt_ids)
-    ids_tensor = torch.tensor([ids], dtype=torch.long)
-    check_prompt(ids_tensor, model.config.vocab_size)
+    # with --shard-kv every rank checks its input; bad input on any of them stops all of them, reported once
+    launch = Launch.from_env() if shard_kv else Launch()
+    with launch.startup():
+        if (prompt is None) == (prompt_ids is None):
+            raise ZayaError("give exactly one of --prompt and --prompt-ids")
+        if greedy and (temperature is not None or top_p is not None):
+            raise ZayaError("--greedy cannot be combined with --temperature or --top-p")
+        if shard_kv and compile_:
+            raise ZayaError("--compile does not apply to --shard-kv")
+        sampling = Sampling(
+            greedy=temperature is None and top_p is None,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            seed=seed,
+        )
+        model_path, _ = resolve_model_dir(model_path)  # a run directory means its newest valid checkpoint
+        tokenizer_path = tokenizer or find_tokenizer(model_path)
+        tok = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
+        if prompt is not None and tok is None:
+            raise ZayaError(f"{model_path}: no tokenizer.json found; pass --tokenizer or use --prompt-ids")
+        if shard_kv:  # torchrun starts one process per GPU
+            device = rank_device(resolve_device(device), launch.local_rank)
+        model = load_model(model_path, device=device, dtype=_dtype(dtype))
+        ids = tok.encode(prompt).ids if prompt is not None else _parse_ids(prompt_ids)
+        ids_tensor = torch.tensor([ids], dtype=torch.long)
+        check_prompt(ids_tensor, model.config.vocab_size)
 
     eos = model.config.eos_token_id if stop_at_eos else None
-    decoder = CompiledDecoder(model) if compile_ else None
+    if shard_kv:
+        from zaya.infer.tree import generate_sharded
+
+        joined = _join_job(launch, model.embed.weight.device)
+
+        def run(on_token):
+            return generate_sharded(model, ids_tensor, max_new_tokens, sampling, kernel=shard_kernel,
+                                    eos_token_id=eos, on_token=on_token)
+    else:
+        decoder = CompiledDecoder(model) if compile_ else None
+        joined = False
+
+        def run(on_token):
+            return run_generate(model, ids_tensor, max_new_tokens, sampling, eos_token_id=eos, on_token=on_token,
+                                decoder=decoder)
+    try:
+        _print_generation(run, prompt, output, tok, launch.is_main)
+    finally:
+        if joined:
+            _leave_job()
+
+
+def _print_generation(run, prompt: str | None, output: str, tok, printing: bool) -> None:
+    """`run(on_token)` generates; the ids, or the text as it streams, are printed where `printing`."""
     if output == "ids" or tok is None:
-        new = run_generate(model, ids_tensor, max_new_tokens, sampling, eos_token_id=eos, decoder=decoder)
-        click.echo(",".join(str(i) for i in new[0].tolist()))
+        new = run(None)
+        if printing:
+            click.echo(",".join(str(i) for i in new[0].tolist()))
         return
     # stream text as it is produced, decoding the whole continuation so multi-byte tokens come out right
     produced: list[int] = []
@@ -136,10 +175,36 @@ def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature
             click.echo(text[len(shown):], nl=False)
             shown = text
 
+    if not printing:
+        run(None)
+        return
     if prompt is not None:
         click.echo(prompt, nl=False)
-    run_generate(model, ids_tensor, max_new_tokens, sampling, eos_token_id=eos, on_token=show, decoder=decoder)
+    run(show)
     click.echo(tok.decode(produced)[len(shown):])
+
+
+def _join_job(launch, device: torch.device) -> bool:
+    """Make the job's default process group (gloo on the CPU, the device's backend otherwise) on the
+    restart-prefixed store, unless there is one already; returns whether it was made here."""
+    import torch.distributed as dist
+
+    from zaya.device import distributed_backend
+
+    if dist.is_initialized():
+        return False
+    dist.init_process_group(backend=distributed_backend(device), store=launch.store(), rank=launch.rank,
+                            world_size=launch.world_size)
+    return True
+
+
+def _leave_job() -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()  # gloo work held by reference cycles aborts the process when finalised late
+    dist.destroy_process_group()
 
 
 # ---- convert ------------------------------------------------------------------------------------------
@@ -198,7 +263,8 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, a
         click.echo(f"nothing to do: {run_dir} is already at step {trainer.state.step} of {config.train.max_steps}")
         return
     summary = {k: last[k] for k in ("step", "loss", "eval_loss", "tokens") if k in last}
-    click.echo(f"done: {json.dumps(summary)}; run directory {run_dir}")
+    if trainer.launch.is_main:
+        click.echo(f"done: {json.dumps(summary)}; run directory {run_dir}")
 
 
 @cli.command(name="eval")

@@ -21,6 +21,7 @@ from zaya.model.config import ZayaConfig
 from zaya.model.router import Routing, ZayaRouter
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp64 (exactness tests) takes the fallback
 
 
 class Experts(nn.Module):
@@ -45,7 +46,7 @@ class Experts(nn.Module):
         multiple = grouped_mm_row_multiple(x_ND.device, x_ND.dtype)
         row_N, sizes_E, rows = _group_rows(expert_N, self.num_experts, multiple)
         x_grouped = _to_rows(x_ND, row_N, rows)
-        matmul = _grouped_matmul if self.use_grouped_mm else _padded_matmul
+        matmul = _grouped_matmul if self.use_grouped_mm and x_ND.dtype in GROUPED_MM_DTYPES else _padded_matmul
         h = matmul(x_grouped, self.gate_up_proj, sizes_E)
         gate, up = h.chunk(2, dim=-1)
         y_grouped = matmul(F.silu(gate) * up, self.down_proj, sizes_E)

@@ -9,8 +9,8 @@ For a token x of MoE layer l:
     i*    = argmax_i (stopgrad(pi_i) + beta_i)                        (beta: balancing biases, a buffer)
     g     = pi_{i*}                                                   (un-renormalised, keeps its gradient)
 
-All of it runs in fp32 whatever the model's dtype or autocast: routing decisions are discrete, and bf16
-rounding of pi flips them.
+All of it runs in fp32 (fp64 in an fp64 model) whatever the model's dtype or autocast: routing decisions
+are discrete, and bf16 rounding of pi flips them.
 """
 
 from __future__ import annotations
@@ -87,4 +87,5 @@ def _linear32(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
+    """At least fp32: an fp64 model (the exactness tests) routes in fp64."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
