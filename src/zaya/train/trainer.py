@@ -146,6 +146,7 @@ class Trainer(TrainingSignals):
                                          rank=self.launch.rank)
         self.resume_from = manager.newest_valid(log=self._say) if self.checkpoint_dir.is_dir() else None
         self.start_phase = 0  # the phase the mesh is built for
+        self.saved_step = -1  # the step of the last checkpoint this process wrote
         if self.resume_from is not None:
             version = ckpt.read_json(self.resume_from / ckpt.CONFIG_FILE).get("version")
             if version != ckpt.VERSION:
@@ -271,7 +272,7 @@ class Trainer(TrainingSignals):
     # ---- checkpoints ------------------------------------------------------------------------------------
 
     def save(self) -> None:
-        step = self.state.step
+        step = self.saved_step = self.state.step
         if self.loader_phase == self.state.phase:  # not at a remesh, between the phases' loaders
             self.state.loaders[self.phases[self.state.phase].name] = self.loader.state_dict()
         tensors, skeleton = train_state.capture(self.model, self.optimizer, self.controller.state)
@@ -414,6 +415,10 @@ class Trainer(TrainingSignals):
             self.state.phase += 1
             self.state.phase_tokens = 0
             nxt = self.phases[self.state.phase]
+            self._say(f"step {self.state.step}: phase '{phase.name}' done after {self.state.tokens:,} tokens; "
+                      f"starting '{nxt.name}' (seq_len {nxt.seq_len}"
+                      f"{f', rope_theta {nxt.rope_theta:g}' if nxt.rope_theta else ''}"
+                      f"{f', cp {nxt.cp}' if nxt.cp != phase.cp else ''})")
             if nxt.cp != phase.cp:
                 self._remesh(nxt)
             else:
@@ -422,9 +427,6 @@ class Trainer(TrainingSignals):
             if nxt.rope_theta:
                 self.model.set_rope_theta(nxt.rope_theta)
             self.flops_per_token = training_flops_per_token(self.model_config, nxt.seq_len)
-            self._say(f"step {self.state.step}: phase '{phase.name}' done after {self.state.tokens:,} tokens; "
-                      f"starting '{nxt.name}' (seq_len {nxt.seq_len}"
-                      f"{f', rope_theta {nxt.rope_theta:g}' if nxt.rope_theta else ''})")
 
     def _remesh(self, phase: Phase) -> None:
         """Start `phase`, whose cp size differs, on a new mesh: commit a checkpoint at the boundary, then
@@ -437,6 +439,7 @@ class Trainer(TrainingSignals):
         self.resume_from = self.manager.newest_valid(log=self._say)
         self.start_phase = self.state.phase
         self._build()
+        self._say(f"step {self.state.step}: now on {self.parallel.describe()}")
 
     def _open_metrics(self) -> MetricsLogger:
         train, logging = self.config.train, self.config.logging
@@ -516,7 +519,8 @@ class Trainer(TrainingSignals):
                 self.metrics.progress(step, {"loss": f"{row['loss']:.3f}", "tok/s": f"{tokens_per_s:,.0f}"})
                 if not row["skipped"] and not math.isfinite(row["loss"]):
                     raise ZayaError(f"step {step}: the loss is {row['loss']}; stopping (last checkpoint kept)")
-                if step % self.config.checkpoint.every == 0 or step == train.max_steps:
+                due = step % self.config.checkpoint.every == 0 or step == train.max_steps
+                if due and self.saved_step != step:  # a move to a new mesh may just have saved this step
                     self.heartbeat.beat("checkpoint_save", step)
                     self.save()
                 last = row

@@ -1,0 +1,110 @@
+"""`zaya train` with context parallelism under torchrun on gloo: cp = 2 (and dp_shard 2 x cp 2) logs the losses
+of one process, checkpoints cross between cp sizes both ways, a phase of another cp size moves to a new mesh at
+its boundary, and a sequence or world size that does not split stops every rank with one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import write_config
+from multiprocess import torchrun
+from zaya.config import load_config
+from zaya.train.metrics import read_metrics
+from zaya.train.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+SECTIONS = dict(
+    train={"max_steps": 4, "micro_batch_size": 2, "global_batch_size": 4, "eval_every": 2, "eval_batches": 1},
+    optim={"lr": 0.01, "ns_dtype": "float32"},
+    schedule={"warmup_steps": 2, "decay_fraction": 0.2, "total_steps": 6},
+    checkpoint={"every": 2, "keep": 5},
+)
+TOLERANCE = 1e-4  # fp32: the sums of the attention and of the gradients run in other orders
+
+
+def _config(tmp_path: Path, dataset: Path, name: str = "run.toml", **sections) -> Path:
+    merged = {key: {**value, **sections.get(key, {})} for key, value in SECTIONS.items()}
+    merged.update({key: value for key, value in sections.items() if key not in merged})
+    return write_config(tmp_path / name, dataset, **merged)
+
+
+def _train(config: Path, run_dir: Path, nproc: int, *sets: str):
+    args = ["train", str(config), "--run-dir", str(run_dir), *(a for s in sets for a in ("--set", s))]
+    return torchrun(*args, nproc=nproc, timeout=400)
+
+
+def _assert_same_losses(run: Path, reference: Path) -> None:
+    rows, expected = read_metrics(run), {r["step"]: r for r in read_metrics(reference)}
+    assert rows
+    for row in rows:
+        theirs = expected[row["step"]]
+        assert row["tokens"] == theirs["tokens"]
+        assert row["loss"] == pytest.approx(theirs["loss"], rel=TOLERANCE), row["step"]
+        if "eval_loss" in theirs:
+            assert row["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=TOLERANCE), row["step"]
+
+
+@pytest.fixture(scope="module")
+def single(dataset, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("single")
+    run = root / "reference"
+    Trainer(load_config(_config(root, dataset, train={"max_steps": 6})), run).run()
+    return run
+
+
+@pytest.mark.parametrize(("nproc", "sets", "mesh"), [
+    (2, ["parallel.cp=2"], "dp_shard 1 x cp 2"),
+    (4, ["parallel.cp=2", "parallel.cp_kernel=ring"], "dp_shard 2 x cp 2"),
+    (4, ["parallel.cp=4", "parallel.cp_sharding=contiguous"], "dp_shard 1 x cp 4"),
+], ids=["cp2", "dp2-cp2-ring", "cp4-contiguous"])
+def test_context_parallel_training_logs_the_losses_of_one_process(dataset, tmp_path, single, nproc, sets, mesh):
+    result = _train(_config(tmp_path, dataset), tmp_path / "run", nproc, *sets)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert mesh in (tmp_path / "run" / "train.log").read_text()
+    _assert_same_losses(tmp_path / "run", single)
+    assert result.stdout.count("done:") == 1  # rank 0 alone
+
+
+@pytest.mark.parametrize(("before", "after"), [("parallel.cp=1", "parallel.cp=2"), ("parallel.cp=2", "parallel.cp=1")],
+                         ids=["cp1-to-cp2", "cp2-to-cp1"])
+def test_a_checkpoint_continues_at_another_cp_size(dataset, tmp_path, single, before, after):
+    config = _config(tmp_path, dataset)
+    first = _train(config, tmp_path / "run", 2, before)
+    assert first.returncode == 0, first.stderr[-6000:]
+    second = _train(config, tmp_path / "run", 2, after, "train.max_steps=6")
+    assert second.returncode == 0, second.stderr[-6000:]
+    assert "resumed from" in (tmp_path / "run" / "train.log").read_text()
+    _assert_same_losses(tmp_path / "run", single)
+
+
+def test_a_long_context_phase_moves_to_its_cp_size_at_the_boundary(dataset, tmp_path):
+    phases = [{"name": "short", "tokens": 2 * 4 * 32, "seq_len": 32},
+              {"name": "long", "seq_len": 64, "rope_theta": 1e6, "cp": 2}]
+    sections = dict(phases=phases, train={"max_steps": 4, "eval_every": 0}, checkpoint={"every": 2})
+    run = tmp_path / "run"
+    result = _train(_config(tmp_path, dataset, **sections), run, 2)
+    assert result.returncode == 0, result.stderr[-6000:]
+    log = (run / "train.log").read_text()
+    assert "phase 'long' runs with cp = 2" in log and "dp_shard 1 x cp 2" in log and "dp_shard 2 x cp 1" in log
+    # one process trains the same curriculum with the same losses (its phases carry no cp)
+    reference = tmp_path / "reference"
+    plain = [{k: v for k, v in phase.items() if k != "cp"} for phase in phases]
+    Trainer(load_config(_config(tmp_path, dataset, "reference.toml", **{**sections, "phases": plain})),
+            reference).run()
+    _assert_same_losses(run, reference)
+    assert [r["phase"] for r in read_metrics(run)] == ["short", "short", "long", "long"]
+
+
+@pytest.mark.parametrize(("nproc", "sets", "words"), [
+    (2, ["parallel.cp=2", "data.seq_len=30"], "key 'data.seq_len' = 30 with parallel.cp = 2"),
+    (3, ["parallel.cp=2"], "parallel.cp must divide the world size"),
+], ids=["seq-len", "world-size"])
+def test_a_context_split_that_does_not_fit_stops_every_rank(dataset, tmp_path, nproc, sets, words):
+    result = _train(_config(tmp_path, dataset), tmp_path / "run", nproc, *sets)
+    assert result.returncode != 0
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if words in line]
+    assert len(lines) == 1, result.stdout + result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
