@@ -58,8 +58,9 @@ def single(dataset, tmp_path_factory) -> Path:
 @pytest.mark.parametrize(("nproc", "sets", "mesh"), [
     (2, ["parallel.cp=2"], "dp_shard 1 x cp 2"),
     (4, ["parallel.cp=2", "parallel.cp_kernel=ring"], "dp_shard 2 x cp 2"),
-    (4, ["parallel.cp=4", "parallel.cp_sharding=contiguous"], "dp_shard 1 x cp 4"),
-], ids=["cp2", "dp2-cp2-ring", "cp4-contiguous"])
+    (4, ["parallel.dp_replicate=2", "parallel.cp=2", "parallel.cp_sharding=contiguous",
+         "train.activation_checkpointing=full"], "dp_replicate 2 x dp_shard 1 x cp 2"),
+], ids=["cp2", "dp2-cp2-ring", "hsdp2-cp2-contiguous-recompute"])
 def test_context_parallel_training_logs_the_losses_of_one_process(dataset, tmp_path, single, nproc, sets, mesh):
     result = _train(_config(tmp_path, dataset), tmp_path / "run", nproc, *sets)
     assert result.returncode == 0, result.stderr[-6000:]

@@ -125,6 +125,7 @@ class ContextParallel:
         """This rank's part of a whole-sequence tensor (token ids, targets)."""
         return self.layout.shard(tensor, self.rank, dim)
 
+    @torch.compiler.disable  # collectives inside: a compiled block calls it eagerly
     def exchange_halo(self, tails: Tensor) -> Tensor:
         """`tails` [B, segments, n]: what each of this rank's segments ends with. Returns [B, segments, n]:
         what the segment logically preceding each of them ends with (zeros before the first chunk)."""
