@@ -182,26 +182,25 @@ class _HaloExchange(torch.autograd.Function):
     def forward(ctx, tails: Tensor, cp: ContextParallel) -> Tensor:
         ctx.cp = cp
         plan = cp._halo_plan
-        B, S, n = tails.shape
-        send = tails[:, plan.send_slots].transpose(0, 1).reshape(-1)
-        recv = tails.new_empty(len(plan.recv_slots) * B * n)
-        all_to_all_single(recv, send, [s * B * n for s in plan.recv_splits], [s * B * n for s in plan.send_splits],
-                          cp.group, cp.counter, "cp_halo")
-        pasts = tails.new_zeros(B, S, n)
-        if plan.recv_slots:
-            pasts[:, plan.recv_slots] = recv.view(-1, B, n).transpose(0, 1)
-        return pasts
+        return _route(tails, cp, plan.send_slots, plan.send_splits, plan.recv_slots, plan.recv_splits)
 
     @staticmethod
     def backward(ctx, grad_pasts: Tensor):
         cp = ctx.cp
         plan = cp._halo_plan
-        B, S, n = grad_pasts.shape
-        send = grad_pasts[:, plan.recv_slots].transpose(0, 1).reshape(-1)
-        recv = grad_pasts.new_empty(len(plan.send_slots) * B * n)
-        all_to_all_single(recv, send, [s * B * n for s in plan.send_splits], [s * B * n for s in plan.recv_splits],
-                          cp.group, cp.counter, "cp_halo")
-        grad_tails = grad_pasts.new_zeros(B, S, n)
-        if plan.send_slots:
-            grad_tails[:, plan.send_slots] = recv.view(-1, B, n).transpose(0, 1)
-        return grad_tails, None
+        return _route(grad_pasts, cp, plan.recv_slots, plan.recv_splits, plan.send_slots, plan.send_splits), None
+
+
+def _route(values: Tensor, cp: ContextParallel, from_slots: list[int], from_splits: list[int], to_slots: list[int],
+           to_splits: list[int]) -> Tensor:
+    """values [B, S, n]: the rows of `from_slots` (grouped by destination rank, `from_splits` per rank) land in
+    the rows `to_slots` of the result (grouped by source rank, `to_splits` per rank); the other rows are 0."""
+    B, S, n = values.shape
+    send = values[:, from_slots].transpose(0, 1).reshape(-1)
+    recv = values.new_empty(len(to_slots) * B * n)
+    all_to_all_single(recv, send, [k * B * n for k in to_splits], [k * B * n for k in from_splits], cp.group,
+                      cp.counter, "cp_halo")
+    out = values.new_zeros(B, S, n)
+    if to_slots:
+        out[:, to_slots] = recv.view(-1, B, n).transpose(0, 1)
+    return out
