@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import datetime
+import json
+import multiprocessing as mp
 import platform
+import socket
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -55,3 +60,25 @@ def time_it(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
 def ratio_line(what: str, ours: float, peer: float, unit: str, higher_is_better: bool = True) -> str:
     ratio = ours / peer if higher_is_better else peer / ours
     return f"{what:<44} ours {ours:>12,.1f} {unit:<10} peer {peer:>12,.1f} {unit:<10} ratio {ratio:5.2f}x"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(target: Callable[..., None], world: int, *args: object) -> list[dict]:
+    """Run `target(rank, world, port, *args, out)` in `world` fresh processes (a free loopback `port` for their
+    process group) and return what each wrote to `out/rank{r}.json`, rank by rank."""
+    with tempfile.TemporaryDirectory() as out:
+        context = mp.get_context("spawn")
+        port = free_port()
+        processes = [context.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join()
+            if process.exitcode != 0:
+                raise SystemExit(f"a rank of the {world}-rank run failed (exit code {process.exitcode})")
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]

@@ -20,23 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from common import header
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from common import header, run_ranks
 
 
 def _saved_bytes(step, params) -> int:
@@ -103,17 +94,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, kernel: st
 
 
 def run(world: int, kernel: str, args: argparse.Namespace) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out:
-        context = mp.get_context("spawn")
-        port = _free_port()
-        processes = [context.Process(target=_rank, args=(r, world, port, args, kernel, out)) for r in range(world)]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join()
-            if process.exitcode != 0:
-                raise SystemExit(f"a rank of the cp = {world} run failed (exit code {process.exitcode})")
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    return run_ranks(_rank, world, args, kernel)
 
 
 def main() -> None:
