@@ -16,9 +16,11 @@ states, and `ShardedDecoder.attach` takes them. A decode query attends to every 
 what the keys are does not change the work or the traffic. Both kernels then decode the same tokens from
 identical caches, interleaved step by step (their logits are compared, as a check); a step is the whole
 token: embedding, every block (the owner's projection, the query's broadcast, the attention and its
-reduction, the MoE), the LM head. Printed per (ranks, context): the median over --steps of the slowest rank's
-step time, and the bytes sent per token per rank (mean over ranks, counted at the collectives as
-`zaya.parallel.comm` counts them).
+reduction, the MoE), the LM head. The processes keep freed memory (`zaya.device.tune_host_allocator`, as
+training does), so that the ring's shard-sized buffers are not page-faulted in afresh at every hop. Printed
+per (ranks, context): the median over --steps of the slowest rank's step time, and the bytes sent per token
+per rank (mean over ranks, counted at the collectives as `zaya.parallel.comm` counts them); first, gloo's
+latency here for one all-reduce and one broadcast of the sizes a tree step sends.
 """
 
 from __future__ import annotations
@@ -102,9 +104,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     import torch.distributed as dist
 
     import zaya
+    from zaya.device import tune_host_allocator
     from zaya.infer.tree import ShardedDecoder
     from zaya.parallel.comm import CommCounter
 
+    # the ring allocates two shard-sized buffers per layer and hop; without this glibc maps each one afresh
+    tune_host_allocator()
     dist.init_process_group("gloo")
     model = zaya.build_model(_config(args.layers), seed=0).eval()
     tokens = torch.randint(0, model.config.vocab_size, (args.warmup + args.steps,),
