@@ -29,25 +29,16 @@ import argparse
 import datetime
 import json
 import math
-import multiprocessing as mp
 import os
-import socket
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from common import header, machine
+from common import header, machine, run_ranks
 
 KERNELS = ("tree", "ring")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _config(layers: int):
@@ -144,20 +135,6 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     dist.destroy_process_group()
 
 
-def run(world: int, args: argparse.Namespace) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out:
-        context = mp.get_context("spawn")
-        port = _free_port()
-        processes = [context.Process(target=_rank, args=(r, world, port, args, out)) for r in range(world)]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join()
-            if process.exitcode != 0:
-                raise SystemExit(f"a rank of the {world}-rank run failed (exit code {process.exitcode})")
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
-
-
 def summarise(world: int, results: list[dict]) -> list[dict]:
     """One row per context: the slowest rank's step time (median over steps) and the mean bytes per rank."""
     rows = []
@@ -196,7 +173,7 @@ def main() -> None:
            f"rank, {os.cpu_count()} cores; KV caches filled with random keys/values (see the docstring)")
     rows, floors = [], {}
     for world in args.ranks:
-        ranks = run(world, args)
+        ranks = run_ranks(_rank, world, args)
         floors[world] = {name: max(r["collectives"][name] for r in ranks) for name in ranks[0]["collectives"]}
         rows += summarise(world, ranks)
     packed = _size(4 * config.num_attention_heads * (config.head_dim + 1))

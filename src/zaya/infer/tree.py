@@ -76,6 +76,8 @@ class ShardedDecoder:
         # shards of these sizes without asking for them
         self.shard_lengths = [0] * self.size
         self._owner_global = dist.get_global_rank(self.group, self.owner)
+        self._next_global = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        self._prev_global = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
         self._device = model.embed.weight.device
 
     @property
@@ -198,8 +200,6 @@ class ShardedDecoder:
         return packed[..., :-1] / packed[..., -1:]
 
     def _ring(self, q5: Tensor, cache: AttentionCache) -> Tensor:
-        nxt = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
-        prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
         keys, values = _cached(cache, q5)
         held, origin = torch.stack([keys, values]), self.rank  # the shard in hand, and whose it is
         acc = None
@@ -210,10 +210,10 @@ class ShardedDecoder:
                 incoming = held.new_empty((*held.shape[:3], self.shard_lengths[source], held.shape[-1]))
                 ops = []
                 if held.shape[3]:  # an empty shard is not sent; its receiver knows not to wait for it
-                    ops.append(dist.P2POp(dist.isend, held, nxt, self.group))
+                    ops.append(dist.P2POp(dist.isend, held, self._next_global, self.group))
                     self.counter.add("ring_kv", held.numel() * held.element_size())
                 if incoming.shape[3]:
-                    ops.append(dist.P2POp(dist.irecv, incoming, prev, self.group))
+                    ops.append(dist.P2POp(dist.irecv, incoming, self._prev_global, self.group))
                 pending = (incoming, source, dist.batch_isend_irecv(ops) if ops else [])
             if self.shard_lengths[origin]:
                 acc = merge(acc, *block_forward(q5, held[0], held[1], False, 1.0 / math.sqrt(q5.shape[-1])))
