@@ -6,12 +6,17 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 import torch
 
 from zaya.errors import StartupFailed, ZayaError
+
+if TYPE_CHECKING:
+    from zaya.parallel.launch import Launch
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -97,7 +102,7 @@ def _parse_ids(text: str) -> list[int]:
                    "passed around the ring of ranks (ring, the baseline).")
 def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature, top_p, seed, output, tokenizer,
              device, dtype, stop_at_eos, compile_, shard_kv, shard_kernel) -> None:
-    """Continue a prompt with a model."""
+    """Continue a prompt with a model (with --shard-kv under torchrun: over a KV cache split across the ranks)."""
     from zaya.api import load_model, resolve_model_dir
     from zaya.device import rank_device, resolve_device
     from zaya.infer.generate import Sampling, check_prompt
@@ -156,7 +161,8 @@ def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature
             _leave_job()
 
 
-def _print_generation(run, prompt: str | None, output: str, tok, printing: bool) -> None:
+def _print_generation(run: Callable[..., torch.Tensor], prompt: str | None, output: str, tok: Any,
+                      printing: bool) -> None:
     """`run(on_token)` generates; the ids, or the text as it streams, are printed where `printing`."""
     if output == "ids" or tok is None:
         new = run(None)
@@ -184,7 +190,7 @@ def _print_generation(run, prompt: str | None, output: str, tok, printing: bool)
     click.echo(tok.decode(produced)[len(shown):])
 
 
-def _join_job(launch, device: torch.device) -> bool:
+def _join_job(launch: Launch, device: torch.device) -> bool:
     """Make the job's default process group (gloo on the CPU, the device's backend otherwise) on the
     restart-prefixed store, unless there is one already; returns whether it was made here."""
     import torch.distributed as dist
