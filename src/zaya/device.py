@@ -119,6 +119,18 @@ def batched_matmul_multiple(device: torch.device) -> int:
     return max(1, torch.get_num_threads()) if device.type == "cpu" else 1
 
 
+def fused_block_attention(device: torch.device):
+    """(forward, backward) of a fused attention kernel that returns its log-sum-exp and differentiates from a
+    given output and log-sum-exp (context-parallel attention merges blocks with them), or None where only
+    plain matmuls are known to work. The CPU's flash kernel does both (fp64 included); the GPU kernels'
+    variants are not wired in yet."""
+    forward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if device.type == "cpu" and forward is not None and backward is not None:
+        return forward, backward
+    return None
+
+
 def loss_chunk_logits(device: torch.device) -> int:
     """How many logits the fused LM-head loss forms at once: on a CPU few enough for the softmax passes to
     stay in cache (2M, 8 MiB in fp32); on an accelerator enough rows for big matmuls (256M)."""

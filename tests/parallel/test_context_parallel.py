@@ -14,6 +14,7 @@ from multiprocess import run_distributed
 from zaya.errors import ZayaError
 from zaya.model.attention import CompressedConvAttention
 from zaya.model.layers import RotaryEmbedding
+from zaya.parallel import cp_attention
 from zaya.parallel.comm import CommCounter
 from zaya.parallel.context import ContextParallel, SequenceLayout
 from zaya.parallel.mesh import ParallelConfig
@@ -63,6 +64,33 @@ def test_parallel_config_names_bad_context_parallel_keys():
         ParallelConfig(cp_sharding="zigzag").validate("run.toml")
     with pytest.raises(ZayaError, match=r"parallel\.cp must divide the world size"):
         ParallelConfig(cp=2).shape(3, "run.toml")
+
+
+# ---- one block of the kernels (one process) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "matmuls"])
+@pytest.mark.parametrize("causal", [True, False], ids=["diagonal", "full"])
+def test_a_block_gives_the_softmax_its_log_sum_exp_and_the_flash_backward(monkeypatch, fused, causal):
+    if not fused:  # the plain-matmul path that devices without a fused kernel take
+        monkeypatch.setattr(cp_attention, "fused_block_attention", lambda device: None)
+    generator = torch.Generator().manual_seed(3)
+    B, Hk, g, L, d = 2, 2, 3, 12, 8
+    q5 = torch.randn(B, Hk, g, L, d, dtype=torch.float64, generator=generator, requires_grad=True)
+    k, v = (torch.randn(B, Hk, L, d, dtype=torch.float64, generator=generator, requires_grad=True) for _ in range(2))
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q5, k) / d ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.einsum("bhgqk,bhkd->bhgqd", scores.softmax(-1), v)
+    grad_out = torch.randn(expected.shape, dtype=torch.float64, generator=generator)
+    expected.backward(grad_out)
+    with torch.no_grad():
+        out, lse = cp_attention.block_forward(q5, k, v, causal, d ** -0.5)
+        delta = (grad_out * out).sum(-1)
+        dq, dk, dv = cp_attention.block_backward(q5, k, v, causal, d ** -0.5, grad_out, lse, delta, out)
+    torch.testing.assert_close(out, expected, atol=EXACT, rtol=0)
+    torch.testing.assert_close(lse, scores.logsumexp(-1), atol=EXACT, rtol=0)
+    for ours, theirs in ((dq, q5.grad), (dk, k.grad), (dv, v.grad)):
+        torch.testing.assert_close(ours, theirs, atol=EXACT, rtol=0)
 
 
 # ---- the attention layer (fp64, several processes) --------------------------------------------------------

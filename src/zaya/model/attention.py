@@ -219,6 +219,9 @@ class CompressedConvAttention(nn.Module):
         rows, L = B * S, T // S
         p_rows, v_del_rows = p.reshape(rows, L, Q + K), v_del_now.reshape(rows, L, K // 2)
         if sequence is not None:
+            if L < P:
+                raise ValueError(f"a shard of {L} tokens per segment is shorter than the {P} tokens the "
+                                 "convolutions reach back")
             tails = torch.cat([p_rows[:, L - P:].reshape(B, S, P * (Q + K)), v_del_rows[:, -1].view(B, S, K // 2)],
                               dim=-1)
             conv_past, value_past = sequence.exchange_halo(tails).reshape(rows, -1).split(

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from zaya.device import fused_block_attention
 from zaya.parallel.comm import all_to_all_single
 
 KERNELS = ("allgather", "ring")
@@ -39,6 +40,10 @@ KERNELS = ("allgather", "ring")
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _scores(q5: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
@@ -51,9 +56,21 @@ def _scores(q5: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
     return s
 
 
+def _fused_operands(q5: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, Hq, Lq, d] and k, v repeated to Hq heads: the layout of the fused kernels."""
+    B, Hk, g, Lq, d = q5.shape
+    return q5.reshape(B, Hk * g, Lq, d), k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+
 def block_forward(q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """One block's softmax attention: output [B, Hk, g, Lq, d] and log-sum-exp [B, Hk, g, Lq], both in the
-    accumulation dtype."""
+    accumulation dtype. A fused kernel where the device has one (`zaya.device.fused_block_attention`), else
+    plain matmuls over the materialised scores."""
+    fused = fused_block_attention(q5.device)
+    if fused is not None and k.shape[2] > 0:
+        out, lse = fused[0](*_fused_operands(q5, k, v), 0.0, causal, attn_mask=None, scale=scale)
+        acc = _acc_dtype(q5.dtype)
+        return out.view(q5.shape).to(acc), lse.view(q5.shape[:-1]).to(acc)
     s = _scores(q5, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
@@ -62,9 +79,20 @@ def block_forward(q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) 
 
 
 def block_backward(q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, do5: Tensor, lse: Tensor,
-                   delta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                   delta: Tensor, out5: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """dq5, dk, dv of one block, from the global `lse` and `delta` = rowsum(dO * O), in the accumulation
-    dtype."""
+    dtype. The fused kernel takes the global output `out5` instead of `delta` (it forms delta itself)."""
+    fused = fused_block_attention(q5.device)
+    if fused is not None:
+        B, Hk, g, Lq, d = q5.shape
+        q, kk, vv = _fused_operands(q5, k, v)
+        acc = _acc_dtype(q5.dtype)
+        dq, dk, dv = fused[1](do5.reshape(q.shape).to(q.dtype), q, kk, vv, out5.reshape(q.shape).to(q.dtype),
+                              lse.reshape(B, Hk * g, Lq).to(_lse_dtype(q.dtype)), 0.0, causal, attn_mask=None,
+                              scale=scale)
+        Lk = k.shape[2]
+        return (dq.view(q5.shape).to(acc), dk.view(B, Hk, g, Lk, d).sum(2).to(acc),
+                dv.view(B, Hk, g, Lk, d).sum(2).to(acc))
     s = _scores(q5, k, causal, scale)
     p = torch.exp(s - lse[..., None])
     acc = s.dtype
@@ -111,14 +139,14 @@ def _attend(q6: Tensor, kv: Tensor, q_chunks, k_chunks, scale: float, acc: list,
         cp.attention_work += L * (L + 1) // 2 if causal else L * L
 
 
-def _grad(q6: Tensor, do6: Tensor, lse6: Tensor, delta6: Tensor, kv: Tensor, q_chunks, k_chunks, scale: float,
-          dq6: Tensor, dkv: Tensor) -> None:
+def _grad(q6: Tensor, do6: Tensor, out6: Tensor, lse6: Tensor, delta6: Tensor, kv: Tensor, q_chunks, k_chunks,
+          scale: float, dq6: Tensor, dkv: Tensor) -> None:
     """Add the gradients of one rank's blocks kv [2, B, Hk, S L, d] to dq6 and dkv."""
     L = q6.shape[4]
     for i, j, causal in _pairs(q_chunks, k_chunks):
         rows = slice(j * L, (j + 1) * L)
         dq, dk, dv = block_backward(q6[:, :, :, i], kv[0, :, :, rows], kv[1, :, :, rows], causal, scale,
-                                    do6[:, :, :, i], lse6[:, :, :, i], delta6[:, :, :, i])
+                                    do6[:, :, :, i], lse6[:, :, :, i], delta6[:, :, :, i], out6[:, :, :, i])
         dq6[:, :, :, i] += dq
         dkv[0, :, :, rows] += dk
         dkv[1, :, :, rows] += dv
@@ -197,7 +225,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         blocks = _all_gather(kv, cp)
         grads = torch.zeros((cp.size, *kv.shape), dtype=acc, device=q.device)
         for src, block in enumerate(blocks):
-            _grad(q6, do6, lse6, delta6, block, cp.chunk_ids, cp.layout.chunks(src), scale, dq6, grads[src])
+            _grad(q6, do6, out6, lse6, delta6, block, cp.chunk_ids, cp.layout.chunks(src), scale, dq6, grads[src])
         # every block's gradient to its owner: rank r receives cp partial sums of its own dk, dv
         received = torch.empty_like(grads)
         n = kv.numel()
@@ -207,7 +235,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     else:
         own = torch.zeros(kv.shape, dtype=acc, device=q.device)
         pending = _ring_send(kv, cp, "cp_kv") if cp.size > 1 else None  # overlaps my own blocks' gradients
-        _grad(q6, do6, lse6, delta6, kv, cp.chunk_ids, cp.chunk_ids, scale, dq6, own)
+        _grad(q6, do6, out6, lse6, delta6, kv, cp.chunk_ids, cp.chunk_ids, scale, dq6, own)
         travelling = None  # a block's partial gradient on its way to the next rank: (buffer, requests)
         for step in range(1, cp.size):
             incoming, requests = pending
@@ -217,7 +245,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                 pending = _ring_send(kv, cp, "cp_kv")
             src = (cp.rank - step) % cp.size
             partial = torch.zeros(kv.shape, dtype=acc, device=q.device)
-            _grad(q6, do6, lse6, delta6, kv, cp.chunk_ids, cp.layout.chunks(src), scale, dq6, partial)
+            _grad(q6, do6, out6, lse6, delta6, kv, cp.chunk_ids, cp.layout.chunks(src), scale, dq6, partial)
             if travelling is not None:  # the same block's partial gradient from the ranks before
                 buffer, waiting = travelling
                 _wait(waiting)
