@@ -56,6 +56,11 @@ def _scores(q5: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
     return s
 
 
+# The fused kernels want keys and values repeated to every query head: a copy of the block, worth its cost only
+# when enough queries share it (a decode step's one query would copy the whole cache shard for it).
+_FUSED_MIN_QUERIES = 32
+
+
 def _fused_operands(q5: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q [B, Hq, Lq, d] and k, v repeated to Hq heads: the layout of the fused kernels."""
     B, Hk, g, Lq, d = q5.shape
@@ -67,7 +72,7 @@ def block_forward(q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) 
     accumulation dtype. A fused kernel where the device has one (`zaya.device.fused_block_attention`), else
     plain matmuls over the materialised scores."""
     fused = fused_block_attention(q5.device)
-    if fused is not None and k.shape[2] > 0:
+    if fused is not None and q5.shape[3] >= _FUSED_MIN_QUERIES and k.shape[2] > 0:
         out, lse = fused[0](*_fused_operands(q5, k, v), 0.0, causal, attn_mask=None, scale=scale)
         acc = _acc_dtype(q5.dtype)
         return out.view(q5.shape).to(acc), lse.view(q5.shape[:-1]).to(acc)
@@ -83,7 +88,7 @@ def block_backward(q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
     """dq5, dk, dv of one block, from the global `lse` and `delta` = rowsum(dO * O), in the accumulation
     dtype. The fused kernel takes the global output `out5` instead of `delta` (it forms delta itself)."""
     fused = fused_block_attention(q5.device)
-    if fused is not None:
+    if fused is not None and q5.shape[3] >= _FUSED_MIN_QUERIES:
         B, Hk, g, Lq, d = q5.shape
         q, kk, vv = _fused_operands(q5, k, v)
         acc = _acc_dtype(q5.dtype)
