@@ -5,12 +5,14 @@ One optimizer step:
     B     = ramp(consumed samples)                       global batch, in sequences
     batch = loader.next_batch(B)                         this rank's [B / dp, seq_len + 1] tokens
     for each micro-batch: loss = CE(model(x), y) * share;  loss.backward()   (FSDP2 reduce-scatters the
-                                                          gradients; bf16 autocast, fp32 master shards)
+                                                          gradients; bf16 autocast, fp32 master shards;
+                                                          with cp > 1 each rank takes its part of every
+                                                          sequence: zaya.train.phases)
     clip the global norm;  lr = initial_lr * schedule(step) * phase scale;  optimizer.step()
                                                          (not taken if the norm is not finite)
     one all-reduce of the step's statistics;  balancing controller.update(global expert counts)
     the training signals: a loss spike rolls back to the last checkpoint (zaya.train.signals)
-    phase switch once its token budget is spent;  metrics;  held-out eval;  checkpoint
+    phase switch once its token budget is spent (a new mesh if its cp differs);  metrics;  eval;  checkpoint
 
 The model is sharded from outside (`zaya.parallel.parallelize`) on one rank as on many: the same code path,
 no gradient all-reduce of its own. Under `zaya supervise` each rank writes a heartbeat as it enters a
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from zaya.config import Phase, RunConfig
+from zaya.config import RunConfig
 from zaya.data.loader import TokenLoader
 from zaya.data.ramp import BatchRamp
 from zaya.data.shards import open_dataset
@@ -48,15 +50,13 @@ from zaya.device import (
 )
 from zaya.errors import ZayaError
 from zaya.model.flops import training_flops_per_token
-from zaya.model.loss import IGNORE_INDEX
 from zaya.model.transformer import RouterStats, Zaya
 from zaya.optim import build_optimizer, describe_param_groups, set_lr_multiplier
 from zaya.parallel.comm import all_reduce
-from zaya.parallel.context import ContextParallel, SequenceLayout
 from zaya.parallel.dtensor import clip_grad_norm_
 from zaya.parallel.fsdp import parallelize
 from zaya.parallel.launch import Launch
-from zaya.parallel.mesh import ParallelConfig, ParallelContext, init_parallel
+from zaya.parallel.mesh import ParallelContext, init_parallel
 from zaya.resilience.faults import FaultInjector
 from zaya.resilience.heartbeat import Heartbeat
 from zaya.resilience.signals import as_ranges
@@ -65,6 +65,7 @@ from zaya.train import state as train_state
 from zaya.train.balance import BalanceController, load_imbalance
 from zaya.train.checkpoint_files import prewarm
 from zaya.train.metrics import MetricsLogger
+from zaya.train.phases import TrainingPhases
 from zaya.train.signals import TrainingSignals
 
 CONFIG_FILE = "run_config.json"  # not config.json: that name marks a Hugging Face directory
@@ -86,7 +87,7 @@ class TrainState:
     fingerprints: dict[str, list[str]] = field(default_factory=dict)  # data fingerprints per phase name
 
 
-class Trainer(TrainingSignals):
+class Trainer(TrainingSignals, TrainingPhases):
     """Runs a `RunConfig` in `run_dir`, resuming from its newest valid checkpoint if there is one."""
 
     def __init__(self, config: RunConfig, run_dir: Path, *, allow_data_change: bool = False,
@@ -110,30 +111,11 @@ class Trainer(TrainingSignals):
 
     # ---- checks that run before anything is written ------------------------------------------------------
 
-    def _parallel_config(self, phase: Phase) -> ParallelConfig:
-        """`[parallel]` with the phase's context-parallel size."""
-        return dataclasses.replace(self.config.parallel, cp=phase.cp)
-
     def _check_inputs(self) -> None:
         train, where = self.config.train, self.config.source
         self.config.parallel.backend_for(self.device, where)
         ramp = self.ramp()
-        for index, phase in enumerate(self.phases):
-            replicate, shard, cp = self._parallel_config(phase).shape(self.launch.world_size, where)
-            for size in ramp.sizes():
-                if size % (replicate * shard):
-                    key = "train.global_batch_size" if size == train.global_batch_size else "data.ramp_start"
-                    raise ZayaError(f"{where}: key '{key}': a global batch of {size} sequences does not split "
-                                    f"evenly over the {replicate * shard} data-parallel ranks (parallel.dp_replicate "
-                                    f"x dp_shard, with cp = {cp})")
-            if cp > 1:
-                key = f"phases.{index}.seq_len" if self.config.phases and self.config.phases[index].seq_len \
-                    else "data.seq_len"
-                layout = SequenceLayout(phase.seq_len, cp, self.config.parallel.cp_sharding)
-                problem = layout.check(min_chunk=self.model_config.conv_padding)
-                if problem:
-                    raise ZayaError(f"{where}: key '{key}' = {phase.seq_len} with parallel.cp = {cp} "
-                                    f"({self.config.parallel.cp_sharding} sharding): {problem}")
+        self._check_phase_meshes(ramp)
         fingerprints = {}
         for phase in self.phases:
             datasets = [open_dataset(source.path) for source in phase.sources]  # clear errors if missing
@@ -224,33 +206,6 @@ class Trainer(TrainingSignals):
         self.sequence = self._sequence(self.phases[self.state.phase])
         dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
         self.peak, self.peak_source = peak_flops(self.device, dtype)
-
-    def _sequence(self, phase: Phase) -> ContextParallel | None:
-        """The phase's context-parallel split of every sequence over this rank's cp group (None: unsplit)."""
-        if self.parallel.cp_size == 1:
-            return None
-        if phase.cp != self.parallel.cp_size:
-            raise ZayaError(f"phase '{phase.name}' needs cp = {phase.cp}, the mesh has {self.parallel.cp_size}")
-        layout = SequenceLayout(phase.seq_len, phase.cp, self.config.parallel.cp_sharding)
-        return ContextParallel(layout, self.parallel.cp_group, self.config.parallel.cp_kernel,
-                               self.parallel.counter)
-
-    def _micro_loss(self, micro: torch.Tensor, stats: RouterStats | None) -> tuple[torch.Tensor, float]:
-        """The next-token loss of the micro-batch `micro` [b, seq_len + 1], and the factor its gradient needs.
-
-        Split over a cp group, each rank's loss is its part of the micro-batch's mean (its tokens' summed
-        loss over the micro-batch's valid tokens), so that the parts add up to the unsplit loss; FSDP2
-        averages gradients over dp_shard x cp, so the gradient is taken of cp times the part."""
-        inputs, targets = micro[:, :-1], micro[:, 1:]
-        cp = self.sequence
-        if cp is None:
-            return self.model.loss(inputs, targets, router_stats=stats), 1.0
-        valid = targets != IGNORE_INDEX
-        inputs, targets = cp.shard(inputs), cp.shard(targets)
-        share = (targets != IGNORE_INDEX).sum() / valid.sum().clamp_min(1)
-        loss = self.model.loss(inputs, targets, router_stats=stats, sequence=cp,
-                               positions=cp.positions(micro.device))
-        return loss * share, float(cp.size)
 
     def _loader(self, index: int) -> TokenLoader:
         phase = self.phases[index]
@@ -406,40 +361,6 @@ class Trainer(TrainingSignals):
         sent = [int(v) for v in packed[tail + world:tail + 2 * world].tolist()]
         host = packed[tail + 2 * world:].tolist()
         return counts, packed[layers * routes:tail - 1], packed[tail - 1], memory, sent, host
-
-    def _maybe_switch_phase(self) -> None:
-        phase = self.phases[self.state.phase]
-        if phase.tokens and self.state.phase_tokens >= phase.tokens and self.state.phase + 1 < len(self.phases):
-            self.state.loaders[phase.name] = self.loader.state_dict()
-            self.loader.close()
-            self.state.phase += 1
-            self.state.phase_tokens = 0
-            nxt = self.phases[self.state.phase]
-            self._say(f"step {self.state.step}: phase '{phase.name}' done after {self.state.tokens:,} tokens; "
-                      f"starting '{nxt.name}' (seq_len {nxt.seq_len}"
-                      f"{f', rope_theta {nxt.rope_theta:g}' if nxt.rope_theta else ''}"
-                      f"{f', cp {nxt.cp}' if nxt.cp != phase.cp else ''})")
-            if nxt.cp != phase.cp:
-                self._remesh(nxt)
-            else:
-                self.loader = self._loader(self.state.phase)
-                self.sequence = self._sequence(nxt)
-            if nxt.rope_theta:
-                self.model.set_rope_theta(nxt.rope_theta)
-            self.flops_per_token = training_flops_per_token(self.model_config, nxt.seq_len)
-
-    def _remesh(self, phase: Phase) -> None:
-        """Start `phase`, whose cp size differs, on a new mesh: commit a checkpoint at the boundary, then
-        build the model, optimizer and loader again on the new mesh and load that checkpoint into them (a
-        checkpoint loads on any mesh)."""
-        self._say(f"step {self.state.step}: phase '{phase.name}' runs with cp = {phase.cp}: checkpointing and "
-                  "moving to a new mesh")
-        self.save()
-        self.manager.wait()
-        self.resume_from = self.manager.newest_valid(log=self._say)
-        self.start_phase = self.state.phase
-        self._build()
-        self._say(f"step {self.state.step}: now on {self.parallel.describe()}")
 
     def _open_metrics(self) -> MetricsLogger:
         train, logging = self.config.train, self.config.logging
