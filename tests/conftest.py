@@ -5,20 +5,11 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 
 import zaya
+from modeling import perturb
 
 warnings.filterwarnings("ignore", message=".*TypedStorage.*")
-
-
-def perturb(model: torch.nn.Module, seed: int = 0, scale: float = 0.05) -> torch.nn.Module:
-    """Add noise to every parameter, so residual scales, biases, EDA gammas and temperatures all matter."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * scale)
-    return model
 
 
 @pytest.fixture

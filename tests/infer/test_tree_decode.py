@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import zaya
-from conftest import perturb
+from modeling import perturb
 from multiprocess import run_distributed, torchrun
 from zaya.errors import ZayaError
 from zaya.infer.generate import Sampling, generate
