@@ -216,7 +216,7 @@ def test_two_torchrun_agents_form_one_job_that_survives_a_killed_rank(dataset, t
 @pytest.mark.parametrize(("sets", "key"), [
     (["train.global_batch_size=9", "train.micro_batch_size=3"], "train.global_batch_size"),
     (["parallel.dp_replicate=2", "parallel.dp_shard=3"], "parallel.dp_replicate x dp_shard x cp"),
-    (["parallel.cp=2"], "parallel.cp"),
+    (["parallel.cp_kernel=tree"], "parallel.cp_kernel"),
     (["parallel.backend=mpi"], "parallel.backend"),
 ], ids=["batch", "mesh", "cp", "backend"])
 def test_bad_input_stops_every_rank_with_one_line(dataset, tmp_path, sets, key):
