@@ -40,7 +40,7 @@ from zaya.errors import ZayaError
 from zaya.infer.generate import Sampling, check_prompt, decode_loop
 from zaya.model.attention import AttentionCache, CompressedConvAttention, DecodeCache
 from zaya.model.transformer import Zaya
-from zaya.parallel.comm import CommCounter, all_reduce
+from zaya.parallel.comm import CommCounter, all_reduce, broadcast, ring_shift
 from zaya.parallel.context import ContextParallel, SequenceLayout
 from zaya.parallel.cp_attention import block_forward, merge
 
@@ -75,9 +75,6 @@ class ShardedDecoder:
         # tokens in each rank's cache (the same in every layer), tracked on every rank: the ring receives
         # shards of these sizes without asking for them
         self.shard_lengths = [0] * self.size
-        self._owner_global = dist.get_global_rank(self.group, self.owner)
-        self._next_global = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
-        self._prev_global = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
         self._device = model.embed.weight.device
 
     @property
@@ -208,13 +205,8 @@ class ShardedDecoder:
             if hop < self.size - 1:  # post the next transfer before this shard's block is computed
                 source = (self.rank - hop - 1) % self.size
                 incoming = held.new_empty((*held.shape[:3], self.shard_lengths[source], held.shape[-1]))
-                ops = []
-                if held.shape[3]:  # an empty shard is not sent; its receiver knows not to wait for it
-                    ops.append(dist.P2POp(dist.isend, held, self._next_global, self.group))
-                    self.counter.add("ring_kv", held.numel() * held.element_size())
-                if incoming.shape[3]:
-                    ops.append(dist.P2POp(dist.irecv, incoming, self._prev_global, self.group))
-                pending = (incoming, source, dist.batch_isend_irecv(ops) if ops else [])
+                # an empty shard is not sent; its receiver knows its length and does not wait for it
+                pending = (incoming, source, ring_shift(held, incoming, self.group, self.counter, "ring_kv"))
             if self.shard_lengths[origin]:
                 acc = merge(acc, *block_forward(q5, held[0], held[1], False, 1.0 / math.sqrt(q5.shape[-1])))
             if pending is not None:
@@ -224,9 +216,7 @@ class ShardedDecoder:
         return acc[0]
 
     def _broadcast(self, tensor: Tensor, kind: str) -> None:
-        dist.broadcast(tensor, src=self._owner_global, group=self.group)
-        if self.rank != (self.owner - 1) % self.size:  # the chain owner -> owner + 1 -> ... ends here
-            self.counter.add(kind, tensor.numel() * tensor.element_size())
+        broadcast(tensor, self.owner, self.group, self.counter, kind)
 
 
 def _cached(cache: AttentionCache, q5: Tensor) -> tuple[Tensor, Tensor]:

@@ -7,6 +7,8 @@ A rank's traffic is counted as the bytes it sends under the bandwidth-optimal al
     reduce-scatter of an input of S bytes     S (N - 1) / N
     all-reduce of S bytes                     2 S (N - 1) / N
     all-to-all                                the bytes addressed to the other ranks
+    broadcast of S bytes                      S, on every rank but the last of the chain src, src + 1, ...
+    ring shift (send to the next rank)        the bytes sent
 
 FSDP2's own all-gathers and reduce-scatters are counted through its custom-communication hooks (the default
 kernels, with a counter in front), its HSDP all-reduce through its all-reduce hook; the optimizer's and the
@@ -79,6 +81,30 @@ def all_to_all_single(
     if counter is not None:
         own = dist.get_rank(group)
         counter.add(kind, (sum(input_splits) - input_splits[own]) * input.element_size())
+
+
+def broadcast(tensor: Tensor, src: int, group, counter: CommCounter | None, kind: str) -> None:
+    """`dist.broadcast` from group rank `src`, counted as a pipelined chain broadcast sends it."""
+    size = dist.get_world_size(group)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
+    if counter is not None and dist.get_rank(group) != (src - 1) % size:
+        counter.add(kind, _bytes(tensor))
+
+
+def ring_shift(tensor: Tensor, incoming: Tensor, group, counter: CommCounter | None, kind: str,
+               tag: int = 0) -> list:
+    """Post: send `tensor` to the next rank of `group` and receive the previous rank's into `incoming`; an
+    empty tensor is neither sent nor awaited (its peer knows its size). Counted; returns the requests."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    ops = []
+    if tensor.numel():
+        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), dist.get_global_rank(group, (rank + 1) % size),
+                              group, tag))
+        if counter is not None:
+            counter.add(kind, _bytes(tensor))
+    if incoming.numel():
+        ops.append(dist.P2POp(dist.irecv, incoming, dist.get_global_rank(group, (rank - 1) % size), group, tag))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 if DefaultAllGather is not None:

@@ -138,16 +138,6 @@ class ContextParallel:
 
         return context_attention(q, k, v, self)
 
-    def attention_with_lse(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """`attention` without gradients, and the log-sum-exp of every query's scores [B, Hq, T] (fp32 or
-        fp64)."""
-        from zaya.parallel.cp_attention import attention_forward
-
-        with torch.no_grad():
-            out, lse = attention_forward(q, k, v, self)
-        B, Hq, T, _ = q.shape
-        return out, lse.reshape(B, Hq, T)
-
 
 @dataclass(frozen=True)
 class _HaloPlan:

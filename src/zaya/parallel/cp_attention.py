@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zaya.device import fused_block_attention
-from zaya.parallel.comm import all_to_all_single
+from zaya.parallel.comm import all_to_all_single, ring_shift
 
 KERNELS = ("allgather", "ring")
 
@@ -172,16 +172,8 @@ _TAGS = {"cp_kv": 1, "cp_dkv": 2}  # keys and gradients may be in flight between
 
 def _ring_send(tensor: Tensor, cp, kind: str) -> tuple[Tensor, list]:
     """Post: send `tensor` to the next rank, receive the previous rank's into a new buffer."""
-    nxt = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size)
-    prev = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size)
-    tensor = tensor.contiguous()
-    incoming = torch.empty_like(tensor)
-    tag = _TAGS[kind]
-    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, nxt, cp.group, tag),
-                                       dist.P2POp(dist.irecv, incoming, prev, cp.group, tag)])
-    if cp.counter is not None:
-        cp.counter.add(kind, tensor.numel() * tensor.element_size())
-    return incoming, requests
+    incoming = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return incoming, ring_shift(tensor, incoming, cp.group, cp.counter, kind, _TAGS[kind])
 
 
 def _wait(requests: list) -> None:
