@@ -1,0 +1,88 @@
+"""`zaya shapes`: measure the model's GEMMs on this machine and write the table `zaya plan --device local` uses.
+
+    zaya shapes --preset tiny                         # fp32 on a CPU, bf16 on an accelerator
+    zaya shapes --preset zaya1-base --tokens 4096,8192 --budget-s 300
+    zaya shapes --preset micro --tokens 256 --out table.json --json
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from zaya.errors import ZayaError
+from zaya.plan.shapes import (
+    DEFAULT_BUDGET_S,
+    DEFAULT_TOKENS,
+    DTYPES,
+    default_table_path,
+    dtype_name,
+    format_recommendations,
+    format_skipped,
+    format_table,
+    recommend,
+    sweep,
+)
+
+
+def _parse_tokens(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        tokens = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ZayaError(f"--tokens must be comma-separated integers, got '{text}'") from None
+    if not tokens or min(tokens) <= 0:
+        raise ZayaError(f"--tokens must be positive integers, got '{text}'")
+    return tokens
+
+
+@click.command()
+@click.option("--device", "device_name", default="local", show_default=True,
+              help="Only 'local' (this machine's accelerator, else its CPU): a published device cannot be "
+                   "measured from here.")
+@click.option("--preset", default="tiny", show_default=True, help="The model preset whose GEMMs are swept.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
+              help="[default: bf16 on an accelerator, fp32 on a CPU]")
+@click.option("--tokens", default=None, metavar="N,N,...",
+              help=f"Tokens per micro-batch, the GEMMs' rows [default: {','.join(map(str, DEFAULT_TOKENS))}].")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Where to write the table [default: the cache path `zaya plan --device local` reads].")
+@click.option("--json", "as_json", is_flag=True, help="Print the table and the recommendations as JSON.")
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="A progress bar on stderr (only when it is a terminal).")
+@click.option("--budget-s", type=click.FloatRange(min=0), default=DEFAULT_BUDGET_S, show_default=True,
+              help="Seconds to spend timing shapes; the rest are skipped (the preset's own shapes come first).")
+def shapes(device_name: str, preset: str, dtype: str | None, tokens: str | None, out: Path | None, as_json: bool,
+           progress: bool, budget_s: float) -> None:
+    """Measure the GEMMs of a preset and of variants around it on this machine; recommend dimensions."""
+    from zaya.device import default_device, default_gemm_dtype
+    from zaya.model.presets import get_preset
+
+    if device_name != "local":
+        from zaya.plan.devices import DEVICES
+
+        known = f" ('{device_name}' is a published device: `zaya plan` uses its datasheet figures)" \
+            if device_name in DEVICES else ""
+        raise ZayaError(f"--device must be 'local': only this machine can be measured{known}")
+    get_preset(preset)  # an unknown preset fails before anything is measured
+    device = default_device()
+    name = dtype or dtype_name(default_gemm_dtype(device))
+    token_list = _parse_tokens(tokens)
+    path = out if out is not None else default_table_path(name)
+    table = sweep(preset, device, DTYPES[name], token_list, progress=progress, budget_s=budget_s)
+    recommendations = recommend(table, preset)
+    written = table.save(path)
+    if as_json:
+        payload = {"table": table.to_dict(), "recommendations": [r.to_dict() for r in recommendations],
+                   "path": str(written)}
+        click.echo(json.dumps(payload, indent=1))
+        return
+    click.echo(format_table(table))
+    click.echo("")
+    click.echo(format_recommendations(recommendations))
+    click.echo("")
+    click.echo(format_skipped(table))
+    click.echo(f"wrote {written}")
