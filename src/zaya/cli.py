@@ -335,12 +335,17 @@ def supervise(policy_file: Path | None, state_dir: Path | None, node: str | None
 def _mount_subsystem_groups() -> None:
     # Subsystems own their command groups; they join the top-level command here.
     from zaya.data.cli import data as data_group
+    from zaya.plan.plan_cli import plan
+    from zaya.plan.shapes_cli import shapes
     from zaya.resilience.diagnose_cli import diagnose
 
     if "data" not in cli.commands:
         cli.add_command(data_group)
     if "diagnose" not in cli.commands:
         cli.add_command(diagnose)
+    for command in (plan, shapes):
+        if command.name not in cli.commands:
+            cli.add_command(command)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,108 @@
+"""The parameters of a model as the planner sees them: their shapes, which FSDP2 unit each belongs to and which
+optimizer updates it, read from a model built on the meta device (no weights are allocated, so ZAYA1-base's
+8.3B parameters cost nothing) with the same functions the trainer uses (`zaya.parallel.fsdp.unit_parameters`,
+`zaya.optim.hybrid.split_parameters`). Every prediction of `zaya.plan` starts from here, so that a change to
+the model, its sharding or its optimizer split reaches the predictions without a second description of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import torch
+
+from zaya.model.config import ZayaConfig
+from zaya.model.transformer import Zaya
+from zaya.optim.hybrid import split_parameters
+from zaya.parallel.dtensor import chunk_bounds
+from zaya.parallel.fsdp import shard_dim, unit_parameters
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter: its shape and the optimizer that updates it."""
+
+    shape: tuple[int, ...]
+    muon: bool
+
+    @property
+    def numel(self) -> int:
+        return _prod(self.shape)
+
+    def shard_numel(self, ranks: int, rank: int) -> int:
+        """Elements of `rank`'s shard among `ranks` (FSDP2 splits along `shard_dim`, as `torch.chunk` does)."""
+        dim = shard_dim(self.shape, ranks)
+        start, stop = chunk_bounds(self.shape[dim], ranks, rank)
+        return (stop - start) * self.numel // self.shape[dim] if self.shape[dim] else 0
+
+    def padded_shard_numel(self, ranks: int) -> int:
+        """Elements of every rank's shard storage: FSDP2 pads each shard to the largest one."""
+        dim = shard_dim(self.shape, ranks)
+        return -(-self.shape[dim] // ranks) * (self.numel // self.shape[dim]) if self.shape[dim] else 0
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One `fully_shard` call: its parameters, whether they stay fp32 under bf16 mixed precision, whether FSDP
+    frees them after forward, and whether it is a transformer block (the rest is the root)."""
+
+    params: tuple[Param, ...]
+    keep_fp32: bool
+    reshard_after_forward: bool
+    block: bool
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def padded_shard_numel(self, ranks: int) -> int:
+        return sum(p.padded_shard_numel(ranks) for p in self.params)
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: one instance per config (`inventory` caches them)
+class Inventory:
+    """All parameters of a model config, by FSDP2 unit."""
+
+    units: tuple[Unit, ...]
+
+    @property
+    def params(self) -> tuple[Param, ...]:
+        return tuple(p for unit in self.units for p in unit.params)
+
+    @property
+    def numel(self) -> int:
+        return sum(unit.numel for unit in self.units)
+
+    def block_units(self) -> tuple[Unit, ...]:
+        return tuple(unit for unit in self.units if unit.block)
+
+
+def inventory(config: ZayaConfig) -> Inventory:
+    """The `Inventory` of a model of `config` (cached: a layout search asks for it many times)."""
+    return _inventory(json.dumps(config.to_dict(), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _inventory(key: str) -> Inventory:
+    config = ZayaConfig(**json.loads(key))
+    with torch.device("meta"):
+        model = Zaya(config)
+    muon = {id(p) for spec in split_parameters(model) if spec.algorithm == "muon" for p in spec.params}
+    blocks = {id(block) for block in model.blocks}
+    # a router is a unit of its own inside its block: it counts as block memory, gathered with its block
+    routers = {id(block.moe.router) for block in model.blocks}
+    units = []
+    for unit, params in unit_parameters(model):
+        members = tuple(Param(tuple(p.shape), id(p) in muon) for p in params)
+        units.append(Unit(members, unit.keep_fp32, unit.reshard_after_forward,
+                          id(unit.module) in blocks or id(unit.module) in routers))
+    return Inventory(tuple(units))
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total

@@ -1,0 +1,63 @@
+"""A parallel layout of a run on a cluster: the mesh, the micro-batch and activation checkpointing, with the
+GPUs it runs on. The planner predicts for one `Layout`; `zaya plan --search` enumerates them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zaya.errors import ZayaError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """`gpus` ranks, `gpus_per_node` per node, in the mesh (dp_replicate, dp_shard, cp) of
+    `zaya.parallel.mesh` (cp innermost, so that consecutive ranks share their cp and dp_shard groups)."""
+
+    gpus: int
+    gpus_per_node: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    micro_batch_size: int
+    activation_checkpointing: str
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks FSDP2 shards over: dp_shard x cp (`ParallelContext.fsdp_mesh`)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def dp(self) -> int:
+        """Ranks that read different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)
+
+    def spans_nodes(self, group_size: int, stride: int) -> bool:
+        """Whether some group of `group_size` ranks spaced `stride` apart (the mesh dimension of that stride)
+        has members on different nodes, so that its collectives cross the network."""
+        if group_size == 1:
+            return False
+        period = min(self.gpus, self.gpus_per_node * group_size * stride)
+        for base in range(period):
+            if (base // stride) % group_size == 0:  # the group's first member
+                last = base + (group_size - 1) * stride
+                if base // self.gpus_per_node != last // self.gpus_per_node:
+                    return True
+        return False
+
+    def describe(self) -> str:
+        return (f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} on {self.gpus} GPU(s) "
+                f"({self.gpus_per_node} per node), micro-batch {self.micro_batch_size}, activation "
+                f"checkpointing {self.activation_checkpointing}")
+
+
+def check_batch(global_batch: int, layout: Layout, what: str, source: str) -> None:
+    """A global batch of `global_batch` sequences must split evenly over the data-parallel ranks (each rank
+    then cuts its share into micro-batches of at most `micro_batch_size`), as the trainer requires."""
+    if global_batch % layout.dp:
+        raise ZayaError(f"{source}: key '{what}': a global batch of {global_batch} sequences does not divide "
+                        f"over {layout.dp} data-parallel ranks (dp_replicate {layout.dp_replicate} x dp_shard "
+                        f"{layout.dp_shard}, with cp = {layout.cp})")

@@ -1,0 +1,144 @@
+"""What a run really holds, measured the same way on every device, to test the planner's predictions against.
+
+- State: the bytes of the storages behind this rank's parameters, gradients and optimizer state (FSDP2's
+  local shards: each storage counted once, so a unit's gradients, views of one reduce-scatter output, count
+  once and padded shards count with their padding).
+- Activations: the bytes autograd saves for backward during a forward pass (each storage once, parameters
+  and their gathered copies left out), plus the inputs that activation checkpointing keeps to recompute its
+  regions (autograd does not see those: the checkpoint's own hooks replace the saved tensors inside a
+  region). On a CPU there is no allocator to ask for peak bytes of one phase, and the resident set counts
+  the interpreter and every freed page the allocator kept; saved tensors are what backward will need, the
+  quantity the activation model predicts, on any device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from zaya.parallel.dtensor import local
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        storage = local(tensor).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """{parameters, gradients, optimizer_state}: bytes this rank holds for each (see the module docstring)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    state: list[torch.Tensor] = []
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            state += [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
+    return {"parameters": _storage_bytes(params), "gradients": _storage_bytes(grads),
+            "optimizer_state": _storage_bytes(state)}
+
+
+def activation_bytes(forward: Callable[[], Any], model: nn.Module) -> tuple[Any, int]:
+    """(forward(), bytes saved for backward): see the module docstring. Checkpointed regions are the modules
+    `torch.distributed._composable.checkpoint` was applied to."""
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+
+    skip = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if tensor.device.type != "meta" and storage.data_ptr() not in skip and not isinstance(tensor, nn.Parameter):
+            storages[storage.data_ptr()] = storage.nbytes()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.requires_grad or tensor.grad_fn is not None:  # leaves that require grad: parameters
+            keep(tensor)
+        return tensor
+
+    def inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                keep(value)
+
+    def gathered(module: nn.Module, args: tuple) -> None:
+        # FSDP2 has just put the unsharded parameters in place: views of its all-gather buffers, which are
+        # communication buffers, not activations
+        skip.update(p.untyped_storage().data_ptr() for p in module.parameters(recurse=False))
+
+    handles = [module.register_forward_pre_hook(gathered) for module in model.modules()]
+    handles += [module.register_forward_pre_hook(inputs, with_kwargs=True)
+                for module in model.modules() if checkpoint.state(module) is not None]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            result = forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return result, sum(storages.values())
+
+
+def measured_step(preset: str, precision: str, seq_len: int, micro_batch_size: int, micro_batches: int,
+                  dp_replicate: int = 1, cp: int = 1, activation_checkpointing: str = "none",
+                  cp_kernel: str = "allgather", ns_dtype: str = "float32", steps: int = 2,
+                  seed: int = 0) -> dict:
+    """On each rank of a launched job (torchrun's environment): build the model of `preset` as the trainer
+    does (FSDP2 over the job's mesh, Muon + AdamW), run `steps` optimizer steps of `micro_batches`
+    micro-batches of random tokens (Newton-Schulz in `ns_dtype`), and return what the last step held and
+    sent: `state` (`state_bytes`), `activations` (of its first micro-batch), `comm` (bytes by collective
+    kind; this loop makes none of the trainer's own all-reduces) and `seconds` (the last step)."""
+    import time
+
+    from zaya.config import RunConfig
+    from zaya.model.presets import get_preset
+    from zaya.model.transformer import Zaya
+    from zaya.optim import build_optimizer
+    from zaya.parallel.context import ContextParallel, SequenceLayout
+    from zaya.parallel.fsdp import parallelize
+    from zaya.parallel.launch import Launch
+    from zaya.parallel.mesh import ParallelConfig, init_parallel
+
+    device = torch.device("cpu")
+    context = init_parallel(ParallelConfig(dp_replicate=dp_replicate, cp=cp, cp_kernel=cp_kernel), device,
+                            Launch.from_env())
+    try:
+        run = RunConfig()
+        run.train.precision, run.train.activation_checkpointing = precision, activation_checkpointing
+        run.optim.ns_dtype = ns_dtype
+        torch.manual_seed(seed)
+        config = get_preset(preset, temp_init=1.0)
+        model = parallelize(Zaya(config), context.fsdp_mesh, run, context.counter)
+        optimizer = build_optimizer(model, run.optim, comm=context.counter)
+        sequence = ContextParallel(SequenceLayout(seq_len, cp), context.cp_group, cp_kernel, context.counter) \
+            if cp > 1 else None
+        generator = torch.Generator().manual_seed(seed + context.dp_rank)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+        result: dict = {}
+        for _ in range(steps):
+            context.counter.take()
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            for micro in range(micro_batches):
+                ids = torch.randint(0, config.vocab_size, (micro_batch_size, seq_len + 1), generator=generator)
+                inputs, targets = ids[:, :-1], ids[:, 1:]
+                kwargs = {}
+                if sequence is not None:
+                    inputs, targets = sequence.shard(inputs), sequence.shard(targets)
+                    kwargs = {"sequence": sequence, "positions": sequence.positions()}
+                with autocast:
+                    loss, saved = activation_bytes(functools.partial(model.loss, inputs, targets, **kwargs), model)
+                if micro == 0:
+                    result["activations"] = saved
+                (loss / micro_batches).backward()
+            optimizer.step()
+            result["seconds"] = time.perf_counter() - started
+            result["comm"] = context.counter.take()
+        result["state"] = state_bytes(model, optimizer)
+        return result
+    finally:
+        context.close()

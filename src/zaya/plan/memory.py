@@ -1,0 +1,233 @@
+"""Memory per GPU by component, predicted from the model config, the layout and the precision.
+
+State (exact, from `zaya.plan.inventory`): FSDP2 keeps each parameter as an fp32 shard padded to the largest
+rank's (FSDP2's `_sharded_param_data`), and its gradient in one padded fp32 reduce-scatter output per unit.
+These fp32 shards are the master weights: bf16 mixed precision keeps no second copy, it casts the shards
+when it gathers them (`master_weights` is 0 and listed so that the table reads like the papers' ones; ZeRO's
+accounting, Rajbhandari et al. 2020, counts 4 + 4 + 4 bytes where we count 4 + 4). Muon keeps one momentum
+and AdamW two moments per element (`zaya.optim.hybrid`), in fp32, on this rank's unpadded shard.
+
+Activations (what autograd saves for backward, `zaya.plan.measure.activation_bytes` measures the same):
+counted tensor by tensor from the model's forward code, per token and block, in the precision each tensor
+is saved in. With bf16 autocast the matmul inputs are saved in bf16 (a = 2 bytes) and the fp32 residual
+stream, the norms, the routers (always fp32) and the elementwise attention math in fp32 (f = 4); in fp32,
+a = f. Writing D, Q, K, C = Q + K, G = H_q + H_k, R, E, F for the shapes (`zaya1-architecture.md`):
+
+    attention sublayer   2Df + f (norm) + Da (projection input) + [(Q + 2K)f in fp32: its output] + Ca(1 + P/L)
+                         (convolution input, L tokens per segment, P the convolutions' reach) + 2Cf + 3Gf
+                         (q/k normalisation) + (Q + K)a + Ka (attention inputs) + Qa + H_q f (output,
+                         log-sum-exp) + Df (residual scaling)
+    MoE sublayer         2Df + f (norm) + Df + 6Rf + (E + 1)f + 17 (router) + rho (D + 4F)a (expert rows:
+                         input, gate/up, SiLU, product; rho the padding of each expert's rows) + Da + a + 8
+                         (output, weight, row index) + Df (residual scaling)
+    per block            (Q + 2K)Da + C d (P + 1)a + G d (d + 1)a   (the derived input weight and kernels)
+    outside the blocks   8 + 4Df + f per token (ids, embedding scaling, final norm, the loss's dL/dh)
+                         + V D f (the loss's dL/dW, formed in its forward) + 2 (T/cp) d f (RoPE tables)
+
+Activation checkpointing keeps instead, per block, the inputs of what it recomputes: "moe" the MoE
+sublayer's input and router state (Df + Rf), "full" the block's (Df + Rf); the recomputed block's
+activations then live during its backward (the `transient` component).
+
+Transients (the largest wins, the others are freed first): one chunk of the fused LM-head loss (logits,
+log-probabilities and their gradient, `zaya.model.loss`), or one recomputed block. Communication buffers:
+FSDP2's unsharded parameters, which the root keeps from forward to backward (on one rank every unit does:
+`zaya.parallel.fsdp`), two blocks' worth in flight otherwise (the current and the prefetched one), and two
+blocks' unsharded gradients before their reduce-scatter. The optimizer's Newton-Schulz workspace (the
+matrices this rank owns, whole, `zaya.parallel.muon`) is needed after backward, once activations are gone.
+
+    total = parameters + gradients + optimizer state + max(activations + transient + buffers, workspace)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from zaya.model.config import ZayaConfig
+from zaya.plan.inventory import Inventory, inventory
+from zaya.plan.layout import Layout
+
+FP32 = 4
+MODES = ("none", "moe", "full")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Byte sizes of one run's tensors: `a` for matmul inputs under autocast, `f` for fp32."""
+
+    name: str  # "bf16" or "fp32"
+
+    @property
+    def a(self) -> int:
+        return 2 if self.name == "bf16" else FP32
+
+    f: int = FP32
+
+
+@dataclass(frozen=True)
+class DeviceDetails:
+    """What the model's code does differently per device (from `zaya.device`): the rows each expert's group
+    is padded to a multiple of, and how many logits one chunk of the loss forms."""
+
+    row_multiple: int = 1
+    loss_chunk_logits: int = 1 << 28
+
+
+GPU_DETAILS = DeviceDetails()
+
+
+@dataclass
+class Memory:
+    """Bytes per GPU by component (see the module docstring)."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    master_weights: int
+    activations: int
+    transient: int
+    communication_buffers: int
+    optimizer_workspace: int
+
+    @property
+    def total(self) -> int:
+        working = self.activations + self.transient + self.communication_buffers
+        return self.parameters + self.gradients + self.optimizer_state + self.master_weights + \
+            max(working, self.optimizer_workspace)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer_state": self.optimizer_state,
+                "master_weights": self.master_weights, "activations": self.activations, "transient": self.transient,
+                "communication_buffers": self.communication_buffers,
+                "optimizer_workspace": self.optimizer_workspace, "total": self.total}
+
+
+# ---- state ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def state_bytes(inv: Inventory, shard_ranks: int, rank: int = 0) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) of `rank` among `shard_ranks` FSDP2 ranks, in bytes."""
+    padded = sum(p.padded_shard_numel(shard_ranks) for p in inv.params)
+    optimizer = sum((1 if p.muon else 2) * p.shard_numel(shard_ranks, rank) for p in inv.params)
+    return padded * FP32, padded * FP32, optimizer * FP32
+
+
+# ---- activations ------------------------------------------------------------------------------------------
+
+
+def _attention_per_token(c: ZayaConfig, p: Precision, segment: int) -> float:
+    D, Q, K, G, Hq = c.hidden_size, c.query_latent, c.key_latent, c.num_attention_heads + c.num_key_value_heads, \
+        c.num_attention_heads
+    C, a, f, P = Q + K, p.a, p.f, c.conv_padding
+    # in fp32 the projection's output is saved as it is; under autocast only its fp32 copy exists, unsaved
+    projected = (Q + 2 * K) * f if a == f else 0
+    return (2 * D * f + f + D * a + projected + C * a * (1 + P / segment) + 2 * C * f + 3 * G * f + (Q + K) * a
+            + K * a + Q * a + Hq * f + D * f)
+
+
+def _moe_outside_per_token(c: ZayaConfig) -> float:
+    """The MoE sublayer's norm and residual scaling, outside what "moe" checkpointing recomputes."""
+    return 3 * c.hidden_size * FP32 + FP32
+
+
+def _moe_inside_per_token(c: ZayaConfig, p: Precision, rho: float) -> float:
+    D, R, E, F_, a, f = c.hidden_size, c.router_hidden_size, c.num_experts, c.moe_intermediate_size, p.a, p.f
+    router = D * f + 6 * R * f + f + (E + 1) * f + 17
+    experts = rho * (D + 4 * F_) * a + D * a + a + 8 + (f if c.skip_route == "identity" else 0)
+    return router + experts
+
+
+def _block_constants(c: ZayaConfig, p: Precision) -> float:
+    D, Q, K, d, G = c.hidden_size, c.query_latent, c.key_latent, c.head_dim, \
+        c.num_attention_heads + c.num_key_value_heads
+    return (Q + 2 * K) * D * p.a + (Q + K) * d * (c.conv_padding + 1) * p.a + G * d * (d + 1) * p.a
+
+
+def _kept_inputs_per_token(c: ZayaConfig) -> int:
+    return (c.hidden_size + c.router_hidden_size) * FP32
+
+
+def activation_bytes(config: ZayaConfig, tokens: int, seq_len: int, cp: int, precision: str, mode: str,
+                     details: DeviceDetails = GPU_DETAILS) -> tuple[int, int]:
+    """(saved, transient recompute) activation bytes of one micro-batch of `tokens` local tokens (sequences of
+    `seq_len` split over `cp` ranks) under checkpointing `mode`; see the module docstring."""
+    c, p = config, Precision(precision)
+    local = seq_len // cp
+    segment = local // (2 if cp > 1 else 1)  # head-tail sharding: two runs per rank
+    # each expert's rows padded to a multiple: on average half a multiple per expert
+    rho = 1 + c.num_experts * (details.row_multiple - 1) / 2 / max(tokens, 1)
+    attention = _attention_per_token(c, p, segment)
+    moe_outside, moe = _moe_outside_per_token(c), _moe_inside_per_token(c, p, rho)
+    constants = _block_constants(c, p)
+    kept = _kept_inputs_per_token(c)
+    L = c.num_hidden_layers
+    if mode == "none":
+        blocks, recompute = L * (tokens * (attention + moe_outside + moe) + constants), 0.0
+    elif mode == "moe":
+        blocks, recompute = L * (tokens * (attention + moe_outside + kept) + constants), tokens * moe
+    else:
+        blocks, recompute = L * tokens * kept, tokens * (attention + moe_outside + moe) + constants
+    D = c.hidden_size
+    outside = tokens * (8 + 4 * D * FP32 + FP32) + c.vocab_size * D * FP32 + 2 * local * c.head_dim * FP32
+    return int(blocks + outside), int(recompute)
+
+
+def loss_chunk_bytes(config: ZayaConfig, tokens: int, precision: str, details: DeviceDetails) -> int:
+    """The fused loss's largest transient: one chunk of logits, log-probabilities (fp32) and their gradient,
+    and the casts of the hidden states and of the embedding to the matmul dtype where they differ."""
+    V, D = config.vocab_size, config.hidden_size
+    rows = min(tokens, max(16, details.loss_chunk_logits // V))
+    mm = FP32 if config.fp32_logits else Precision(precision).a
+    casts = (tokens * D + V * D) * mm if mm != FP32 else 0
+    return rows * V * (mm + FP32 + mm) + casts
+
+
+# ---- buffers ----------------------------------------------------------------------------------------------
+
+
+def _unit_bytes(unit, precision: str) -> int:
+    return unit.numel * (FP32 if unit.keep_fp32 or precision != "bf16" else 2)
+
+
+@functools.lru_cache(maxsize=256)
+def buffer_bytes(inv: Inventory, shard_ranks: int, precision: str) -> int:
+    """FSDP2's unsharded parameters and gradients in flight (see the module docstring)."""
+    blocks = [u for u in inv.units if u.block]
+    # a block and its router unit are gathered together
+    per_block = [_unit_bytes(blocks[i], precision) + _unit_bytes(blocks[i + 1], precision)
+                 for i in range(0, len(blocks) - 1, 2)] or [0]
+    grads = [sum(u.numel for u in blocks[i:i + 2]) * (FP32 + (2 if precision == "bf16" else FP32))
+             for i in range(0, len(blocks) - 1, 2)] or [0]
+    root = sum(_unit_bytes(u, precision) for u in inv.units if not u.block)
+    gathered = sum(per_block) if shard_ranks == 1 else 2 * max(per_block)
+    return root + gathered + 2 * max(grads)
+
+
+@functools.lru_cache(maxsize=256)
+def workspace_bytes(inv: Inventory, shard_ranks: int, ns_bytes: int) -> int:
+    """Newton-Schulz workspace: this rank's share of the whole matrices it orthogonalises, each as fp32
+    update plus three iteration buffers."""
+    muon = [p for p in inv.params if p.muon]
+    share = sum(p.numel for p in muon) / shard_ranks
+    return int(share * (FP32 + 3 * ns_bytes))
+
+
+# ---- everything -------------------------------------------------------------------------------------------
+
+
+def memory_per_gpu(config: ZayaConfig, layout: Layout, seq_len: int, precision: str, ns_dtype: str = "bfloat16",
+                   details: DeviceDetails = GPU_DETAILS, mode: str | None = None) -> Memory:
+    """The `Memory` of rank 0 (the largest shard) of a run of `layout` on sequences of `seq_len` tokens;
+    `mode` overrides the layout's activation checkpointing."""
+    inv = inventory(config)
+    params, grads, optimizer = state_bytes(inv, layout.shard_ranks)
+    tokens = layout.micro_batch_size * seq_len // layout.cp
+    saved, recompute = activation_bytes(config, tokens, seq_len, layout.cp, precision,
+                                        mode or layout.activation_checkpointing, details)
+    transient = max(recompute, loss_chunk_bytes(config, tokens, precision, details))
+    ns_bytes = 2 if ns_dtype in ("bfloat16", "bf16") else FP32
+    return Memory(parameters=params, gradients=grads, optimizer_state=optimizer, master_weights=0,
+                  activations=saved, transient=transient,
+                  communication_buffers=buffer_bytes(inv, layout.shard_ranks, precision),
+                  optimizer_workspace=workspace_bytes(inv, layout.shard_ranks, ns_bytes))

@@ -1,0 +1,164 @@
+"""`zaya plan`: what a run config needs and how long it takes, before it runs.
+
+    zaya plan configs/zaya1-base.toml --gpus 1024 --gpus-per-node 8 --device mi300x
+    zaya plan configs/zaya1-base.toml --gpus 1 --device h100          # does not fit: the smallest layout that does
+    zaya plan configs/tiny.toml --device local --set train.precision=fp32   # after `zaya shapes`
+    zaya plan configs/zaya1-base.toml --gpus 256 --device h200 --search
+    zaya plan --devices
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from zaya.errors import ZayaError
+
+GB = 1e9
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:10.2f} GB"
+
+
+def load_target(device: str, precision: str, table_path: Path | None):
+    """(DeviceSpec, measured table or None) for `device`; "local" reads the table `zaya shapes` wrote."""
+    from zaya.plan.devices import get_device
+
+    if device != "local":
+        if table_path is not None:
+            raise ZayaError("--table applies to --device local only")
+        return get_device(device), None
+    from zaya.plan.shapes import EfficiencyTable, default_table_path
+
+    dtype = "bf16" if precision == "bf16" else "fp32"
+    path = table_path or default_table_path(dtype)
+    if not path.is_file():
+        raise ZayaError(f"no measured table for the local device at {path}: run `zaya shapes --dtype {dtype}` first")
+    table = EfficiencyTable.load(path)
+    return get_device("local", table), table
+
+
+def format_plan(plan) -> str:
+    """The plan as the text `zaya plan` prints."""
+    data = plan.to_dict()
+    first = plan.first
+    layout = first.layout
+    memory = first.memory.to_dict()
+    lines = [
+        f"plan of {plan.source} on {layout.gpus} x {plan.device.label} ({plan.device.name}), {plan.precision}",
+        f"  layout: {layout.describe()}",
+        f"  parameters: {plan.params.total:,} total, {plan.params.active:,} active, {plan.params.embedding:,} "
+        f"embedding; {plan.flops_per_token / 1e9:.2f} GFLOP per token (training, seq {first.seq_len})",
+        "",
+        f"memory per GPU (phase '{first.name}', micro-batch of {layout.micro_batch_size} x {first.seq_len // layout.cp}"
+        " tokens)",
+    ]
+    for key in ("parameters", "gradients", "optimizer_state", "master_weights", "activations", "transient",
+                "communication_buffers", "optimizer_workspace"):
+        lines.append(f"  {key:<24}{_gb(memory[key])}")
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines.append(f"  {'total':<24}{_gb(memory['total'])}  of {plan.device.memory_bytes / GB:.0f} GB: {verdict}")
+    modes = "; ".join(f"{mode} {nbytes / GB:.2f} GB" for mode, nbytes in first.activations_by_mode.items())
+    lines.append(f"  activations by checkpointing: {modes}")
+    for phase in plan.phases[1:]:
+        if phase.memory.total != first.memory.total:
+            lines.append(f"  phase '{phase.name}': {phase.memory.total / GB:.2f} GB in all "
+                         f"({'fits' if phase.fits else 'does NOT fit'})")
+    for problem in plan.problems:
+        lines.append(f"  cannot run: {problem}")
+    lines += ["", f"communication per step and GPU ({first.micro_batches} micro-batch(es))"]
+    for kind, nbytes in sorted(first.traffic.by_kind.items(), key=lambda item: -item[1]):
+        lines.append(f"  {kind:<24}{_gb(nbytes)}")
+    for dim, nbytes in first.traffic.by_dimension().items():
+        lines.append(f"  over {dim:<19}{_gb(nbytes)} at {plan.bandwidths[dim] / GB:.0f} GB/s")
+    parts = first.time.to_dict()
+    lines += ["", "step time (predicted)"]
+    for key in ("gemm", "attention", "elementwise", "overhead", "optimizer", "comm_exposed"):
+        lines.append(f"  {key:<24}{parts[key]:12.4f} s")
+    lines.append(f"  {'total':<24}{parts['total']:12.4f} s: {data['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+                 f"MFU {data['mfu']:.1%}")
+    lines += ["", f"{'phase':<16}{'seq_len':>8}{'cp':>4}{'steps':>12}{'tokens':>18}{'step s':>10}{'hours':>10}"]
+    for phase in plan.phases:
+        lines.append(f"{phase.name:<16}{phase.seq_len:>8}{phase.cp:>4}{phase.steps:>12,}{phase.tokens:>18,}"
+                     f"{phase.time.total:>10.3f}{phase.hours:>10.1f}")
+    hours = data["hours"]
+    lines.append(f"{'run':<16}{'':>24}{sum(p.tokens for p in plan.phases):>18,}{'':>10}{hours:>10.1f} "
+                 f"({hours / 24:.1f} days)")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("config_path", metavar="CONFIG", required=False, type=click.Path(path_type=Path))
+@click.option("--gpus", type=int, default=1, show_default=True, help="GPUs (ranks) the run would use.")
+@click.option("--gpus-per-node", type=int, default=None, help="Default: the device's (8 for the GPUs listed).")
+@click.option("--device", "device_name", default="local", show_default=True,
+              help="A device of --devices; 'local' uses the table `zaya shapes` measured on this machine.")
+@click.option("--table", "table_path", type=click.Path(path_type=Path), default=None,
+              help="The measured table for --device local (default: the one `zaya shapes` writes).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
+@click.option("--search", is_flag=True, help="Rank every layout that fits; say why the others do not.")
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Layouts --search shows.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (keys in docs/planning.md).")
+@click.option("--devices", is_flag=True, help="List the devices and exit.")
+def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, search, top, as_json, devices) -> None:
+    """Predict memory per GPU, communication, step time, MFU and run time of a training config."""
+    from zaya.config import load_config
+    from zaya.plan.devices import describe_devices
+    from zaya.plan.planner import plan_run
+    from zaya.plan.search import describe, search_layouts, smallest_fit
+
+    if devices:
+        click.echo(describe_devices())
+        return
+    if config_path is None:
+        raise ZayaError("give a run config (zaya plan CONFIG), or --devices")
+    config = load_config(config_path, list(overrides))
+    device, table = load_target(device_name, config.train.precision, table_path)
+    if gpus < 1:
+        raise ZayaError(f"--gpus must be at least 1, got {gpus}")
+    per_node = gpus_per_node or min(device.gpus_per_node, gpus)
+    result = plan_run(config, gpus, device, table, per_node)
+    data = result.to_dict()
+    smallest = None if result.fits else smallest_fit(config, device, gpus_per_node or device.gpus_per_node, table)
+    ranked = search_layouts(config, gpus, per_node, device, table, progress=not as_json) if search else []
+    if as_json:
+        if smallest is not None:
+            data["smallest_fit"] = {"gpus": smallest.layout.gpus, "layout": smallest.layout.__dict__,
+                                    "hours": smallest.hours}
+        if search:
+            data["search"] = [{"layout": c.layout.__dict__, "hours": c.hours if not c.reason else None,
+                               "reason": c.reason} for c in ranked]
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(format_plan(result))
+    if not result.fits:
+        if smallest is None:
+            click.echo("\nno layout of up to 131072 GPUs fits")
+        else:
+            click.echo(f"\nsmallest layout that fits: {smallest.layout.gpus} GPU(s), {describe(smallest)}: "
+                       f"{smallest.plan.first.memory.total / GB:.1f} GB per GPU, {smallest.hours:,.0f} hours")
+    if search:
+        fitting = [c for c in ranked if not c.reason]
+        click.echo(f"\n{len(fitting)} of {len(ranked)} layouts fit; the fastest:")
+        for candidate in fitting[:top]:
+            first = candidate.plan.first
+            click.echo(f"  {describe(candidate)}  {candidate.plan.tokens_per_s_per_gpu:>9,.0f} tok/s/GPU  "
+                       f"MFU {candidate.plan.mfu:5.1%}  {first.memory.total / GB:6.1f} GB  {candidate.hours:10,.0f} h")
+        reasons: dict[str, list] = {}
+        for candidate in ranked:
+            if candidate.reason:
+                reasons.setdefault(_reason_kind(candidate.reason), []).append(candidate)
+        if reasons:
+            click.echo("rejected:")
+        for kind, members in reasons.items():
+            click.echo(f"  {len(members):>4} x {kind}; e.g. {describe(members[0])}: {members[0].reason}")
+
+
+def _reason_kind(reason: str) -> str:
+    """A rejection reason without its numbers, to group like ones."""
+    import re
+
+    return re.sub(r"\d[\d.,]*", "N", reason.split(";")[0])[:90]

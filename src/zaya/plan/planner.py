@@ -1,0 +1,297 @@
+"""`plan_run`: a run config, a GPU count and a device in; memory per GPU, communication per step, step time,
+throughput, MFU and the wall-clock time of every phase out, before anything runs.
+
+The run is the one the trainer would run: every phase on its own mesh (`[parallel]` with the phase's `cp`),
+its sequences of `seq_len` tokens, `global_batch_size` sequences per step split over the data-parallel ranks
+and cut into micro-batches of `micro_batch_size`; the last phase runs until `train.max_steps`, as the
+trainer's does. The batch ramp is followed step by step (in runs of equal batch size, `schedule`): each run
+of steps is costed at its own batch, so a phase's hours and tokens are those the trainer would spend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from zaya.config import RunConfig
+from zaya.data.ramp import BatchRamp
+from zaya.device import grouped_mm_row_multiple, loss_chunk_logits
+from zaya.errors import ZayaError
+from zaya.model.config import ZayaConfig
+from zaya.model.flops import attention_flops_per_token
+from zaya.model.params import ParameterReport, parameter_report
+from zaya.parallel.context import SequenceLayout
+from zaya.plan.devices import DeviceSpec
+from zaya.plan.layout import Layout, check_batch
+from zaya.plan.memory import MODES, DeviceDetails, Memory, activation_bytes, memory_per_gpu
+from zaya.plan.timing import Rates, RooflineRates, StepTime, step_time
+from zaya.plan.traffic import Traffic, step_traffic
+
+# measured collective bandwidth is below the links' peak: NCCL/RCCL bus bandwidth reaches about this fraction
+COLLECTIVE_EFFICIENCY = 0.8
+
+
+@dataclass
+class PhasePlan:
+    """One phase as it would run."""
+
+    name: str
+    seq_len: int
+    cp: int
+    layout: Layout
+    steps: int
+    tokens: int
+    micro_batches: int
+    memory: Memory
+    traffic: Traffic
+    time: StepTime
+    activations_by_mode: dict[str, int]
+    fits: bool
+    seconds: float = 0.0  # all its steps, each at its batch size
+    batch_tokens: int = 0  # tokens of one step at the full batch (what `time` is the time of)
+
+    @property
+    def hours(self) -> float:
+        return self.seconds / 3600
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "seq_len": self.seq_len, "cp": self.cp, "steps": self.steps, "tokens": self.tokens,
+                "hours": self.hours, "micro_batches": self.micro_batches, "step_time_s": self.time.total,
+                "memory_per_gpu": self.memory.to_dict(), "fits": self.fits,
+                "comm_bytes_per_step": {k: int(v) for k, v in self.traffic.by_kind.items()},
+                "activations_by_checkpointing": self.activations_by_mode}
+
+
+@dataclass
+class Plan:
+    """The prediction for a run; `phases[0]` is the one the headline figures describe."""
+
+    source: str
+    device: DeviceSpec
+    precision: str
+    params: ParameterReport
+    flops_per_token: float
+    phases: list[PhasePlan]
+    peak_flops: float
+    bandwidths: dict[str, float] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # phases that cannot run on this layout, and why
+
+    @property
+    def first(self) -> PhasePlan:
+        return self.phases[0]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems and all(phase.fits for phase in self.phases)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        phase = self.first
+        return phase.batch_tokens / phase.time.total / phase.layout.gpus
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_s_per_gpu * self.flops_per_token / self.peak_flops
+
+    def to_dict(self) -> dict:
+        first = self.first
+        return {
+            "config": self.source,
+            "device": self.device.name,
+            "gpus": first.layout.gpus,
+            "gpus_per_node": first.layout.gpus_per_node,
+            "layout": dataclasses.asdict(first.layout),
+            "precision": self.precision,
+            "params_total": self.params.total,
+            "params_active": self.params.active,
+            "params_embedding": self.params.embedding,
+            "flops_per_token": self.flops_per_token,
+            "memory_per_gpu": first.memory.to_dict(),
+            "device_memory": self.device.memory_bytes,
+            "fits": self.fits,
+            "comm_bytes_per_step": {k: int(v) for k, v in first.traffic.by_kind.items()},
+            "comm_bytes_per_step_by_dimension": {k: int(v) for k, v in first.traffic.by_dimension().items()},
+            "bandwidths": self.bandwidths,
+            "step_time_s": first.time.total,
+            "step_time_parts_s": first.time.to_dict(),
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "phases": [phase.to_dict() for phase in self.phases],
+            "hours": sum(phase.hours for phase in self.phases),
+            "problems": list(self.problems),
+        }
+
+
+def _parameter_report(config: ZayaConfig) -> ParameterReport:
+    return _cached_report(json.dumps(config.to_dict(), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_report(key: str) -> ParameterReport:
+    return parameter_report(ZayaConfig(**json.loads(key)))
+
+
+def _flops_per_token(config: ZayaConfig, seq_len: int) -> float:
+    """`zaya.model.flops.training_flops_per_token`, from the cached parameter count."""
+    matmul = _parameter_report(config).active_non_embedding + config.vocab_size * config.hidden_size
+    return 6 * matmul + 3 * attention_flops_per_token(config, seq_len)
+
+
+def device_details(device: DeviceSpec, table_device: str | None, precision: str) -> DeviceDetails:
+    """The model code's per-device choices (`zaya.device`) for the device planned for."""
+    torch_device = torch.device(table_device or "cuda")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return DeviceDetails(row_multiple=grouped_mm_row_multiple(torch_device, dtype),
+                         loss_chunk_logits=loss_chunk_logits(torch_device))
+
+
+def rates_for(device: DeviceSpec, table=None) -> Rates:
+    """The measured table if there is one, else the roofline of the device's published figures."""
+    if table is not None:
+        return table
+    return RooflineRates(device.peak_flops, device.memory_bandwidth, device.gemm_efficiency)
+
+
+def layout_of(config: RunConfig, gpus: int, gpus_per_node: int, cp: int | None = None) -> Layout:
+    """The `Layout` the config's `[parallel]` gives on `gpus` GPUs (with a phase's `cp`)."""
+    parallel = dataclasses.replace(config.parallel, cp=cp or config.parallel.cp)
+    replicate, shard, cp = parallel.shape(gpus, config.source)
+    return Layout(gpus, gpus_per_node, replicate, shard, cp, config.train.micro_batch_size,
+                  config.train.activation_checkpointing)
+
+
+def bandwidths_for(layout: Layout, device: DeviceSpec) -> dict[str, float]:
+    """Bytes/s per mesh dimension: scale-up links inside a node, the network across nodes."""
+    intra, inter = (b * COLLECTIVE_EFFICIENCY for b in (device.intra_node_bandwidth, device.inter_node_bandwidth))
+    if layout.gpus_per_node == 1:
+        intra = inter
+    C, S = layout.cp, layout.dp_shard
+    spans = {"cp": layout.spans_nodes(C, 1), "dp_shard_cp": layout.spans_nodes(S * C, 1),
+             "dp_replicate": layout.spans_nodes(layout.dp_replicate, S * C),
+             "world": layout.gpus > layout.gpus_per_node}
+    # a local (measured) device has no links to measure: its collectives are the host's memory copies
+    return {dim: (inter if crosses else intra) for dim, crosses in spans.items()}
+
+
+def plan_phase(config: RunConfig, layout: Layout, seq_len: int, device: DeviceSpec, rates: Rates,
+               details: DeviceDetails, name: str = "main", global_batch: int | None = None) -> PhasePlan:
+    """The `PhasePlan` of one step of `global_batch` sequences (default: the full batch) of `seq_len` tokens
+    under `layout`."""
+    train, model = config.train, config.model_config()
+    global_batch = global_batch or train.global_batch_size
+    check_batch(global_batch, layout, "train.global_batch_size", config.source)
+    per_rank = global_batch // layout.dp
+    micro = min(layout.micro_batch_size, per_rank)
+    layout = dataclasses.replace(layout, micro_batch_size=micro)
+    micro_batches = math.ceil(per_rank / micro)
+    optim = config.optim
+    memory = memory_per_gpu(model, layout, seq_len, train.precision, optim.ns_dtype, details)
+    tokens = micro * seq_len // layout.cp
+    by_mode = {mode: activation_bytes(model, tokens, seq_len, layout.cp, train.precision, mode, details)[0]
+               for mode in MODES}
+    traffic = step_traffic(model, layout, seq_len, train.precision, micro_batches, optim.ns_dtype,
+                           config.parallel.cp_kernel, config.parallel.cp_sharding)
+    time = step_time(model, layout, seq_len, train.precision, micro_batches, rates, traffic,
+                     bandwidths_for(layout, device), optim.ns_dtype, optim.ns_steps, config.parallel.cp_kernel,
+                     details)
+    return PhasePlan(name, seq_len, layout.cp, layout, 0, 0, micro_batches, memory, traffic, time, by_mode,
+                     memory.total <= device.memory_bytes, batch_tokens=global_batch * seq_len)
+
+
+def ramp_of(config: RunConfig) -> BatchRamp:
+    """The trainer's batch ramp (`Trainer.ramp`)."""
+    data, final = config.data, config.train.global_batch_size
+    if data.ramp_samples == 0 or data.ramp_start in (0, final):
+        return BatchRamp(final, 0, final, 0)
+    return BatchRamp(data.ramp_start, data.ramp_increment, final, data.ramp_samples)
+
+
+def schedule(config: RunConfig) -> list[list[tuple[int, int]]]:
+    """Per phase, its steps as runs of (batch size, steps), as the trainer takes them: a phase ends once its
+    token budget is spent (the last one at `train.max_steps`), the batch follows the ramp."""
+    ramp, phases = ramp_of(config), config.resolved_phases()
+    samples, steps_left, result = 0, config.train.max_steps, []
+    for index, phase in enumerate(phases):
+        last = index == len(phases) - 1
+        runs: list[tuple[int, int]] = []
+        tokens = 0
+        while steps_left > 0 and (last or not phase.tokens or tokens < phase.tokens):
+            batch = ramp.at(samples)
+            steps = steps_left
+            if ramp.increments and samples <= ramp.ramp_samples:  # the ramp moves at its next threshold
+                stage = samples * ramp.increments // ramp.ramp_samples
+                change = min(-(-(stage + 1) * ramp.ramp_samples // ramp.increments), ramp.ramp_samples + 1)
+                steps = min(steps, max(1, -(-(change - samples) // batch)))
+            if phase.tokens and not last:
+                steps = min(steps, -(-(phase.tokens - tokens) // (batch * phase.seq_len)))
+            if runs and runs[-1][0] == batch:
+                runs[-1] = (batch, runs[-1][1] + steps)
+            else:
+                runs.append((batch, steps))
+            samples += steps * batch
+            tokens += steps * batch * phase.seq_len
+            steps_left -= steps
+        result.append(runs)
+    return result
+
+
+def plan_run(config: RunConfig, gpus: int, device: DeviceSpec, table=None, gpus_per_node: int | None = None,
+             layout: Layout | None = None) -> Plan:
+    """The `Plan` of `config` on `gpus` GPUs of `device` (`table`: its measured GEMM rates, if any);
+    `layout` replaces the config's mesh, micro-batch and checkpointing in every phase (cp: the phase's)."""
+    if gpus < 1:
+        raise ZayaError(f"--gpus must be at least 1, got {gpus}")
+    per_node = gpus_per_node or min(device.gpus_per_node, gpus)
+    if per_node < 1:
+        raise ZayaError(f"--gpus-per-node must be at least 1, got {per_node}")
+    model = config.model_config()
+    rates = rates_for(device, table)
+    details = device_details(device, getattr(table, "device", None), config.train.precision)
+    phases, problems = [], []
+    for index, (phase, runs) in enumerate(zip(config.resolved_phases(), schedule(config), strict=True)):
+        if not runs:
+            continue
+        try:
+            if layout is None:
+                mesh = layout_of(config, gpus, per_node, phase.cp)
+            else:
+                # a phase with a cp of its own keeps it; the others take the layout's
+                cp = phase.cp if phase.cp != config.parallel.cp else layout.cp
+                if gpus % (layout.dp_replicate * cp):
+                    raise ZayaError(f"{config.source}: cp = {cp} x dp_replicate = {layout.dp_replicate} does not "
+                                    f"divide {gpus} GPUs")
+                mesh = dataclasses.replace(layout, gpus=gpus, gpus_per_node=per_node, cp=cp,
+                                           dp_shard=gpus // (layout.dp_replicate * cp))
+                if index == 0 and layout.dp_replicate * layout.dp_shard * layout.cp != gpus:
+                    raise ZayaError(f"{config.source}: dp_replicate x dp_shard x cp = {layout.dp_replicate} x "
+                                    f"{layout.dp_shard} x {layout.cp} is not {gpus} GPUs")
+            if mesh.cp > 1:
+                problem = SequenceLayout(phase.seq_len, mesh.cp, config.parallel.cp_sharding).check(
+                    min_chunk=model.conv_padding)
+                if problem:
+                    raise ZayaError(f"{config.source}: seq_len {phase.seq_len} over cp = {mesh.cp}: {problem}")
+        except ZayaError as exc:
+            if not phases:
+                raise
+            problems.append(f"phase '{phase.name}': {str(exc).split(': ', 1)[-1]}")
+            continue
+        planned = plan_phase(config, mesh, phase.seq_len, device, rates, details, phase.name)
+        seconds = {batch: plan_phase(config, mesh, phase.seq_len, device, rates, details, phase.name, batch).time.total
+                   for batch in {batch for batch, _ in runs} - {config.train.global_batch_size}}
+        seconds[config.train.global_batch_size] = planned.time.total
+        planned.steps = sum(steps for _, steps in runs)
+        planned.tokens = sum(batch * steps for batch, steps in runs) * phase.seq_len
+        planned.seconds = sum(seconds[batch] * steps for batch, steps in runs)
+        phases.append(planned)
+    precision = config.train.precision
+    peak = device.peak_flops.get(precision, device.peak_flops["bf16"])
+    if table is not None:
+        peak = table.peak(precision)
+    return Plan(config.source, device, precision, _parameter_report(model),
+                _flops_per_token(model, phases[0].seq_len), phases, peak,
+                bandwidths_for(phases[0].layout, device), problems)

@@ -1,0 +1,120 @@
+"""`zaya plan --search`: every layout of a GPU count (dp_replicate x dp_shard x cp, micro-batch, activation
+checkpointing), planned, the ones that fit ranked by the run's predicted hours, and each rejected one with
+its reason; and the smallest GPU count on which the run fits at all.
+
+Context parallelism is searched for the phases that use `[parallel].cp`; a phase with a `cp` of its own keeps
+it. Micro-batches are the divisors of a rank's share of the batch, up to 16 sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from zaya.config import RunConfig
+from zaya.errors import ZayaError
+from zaya.plan.devices import DeviceSpec
+from zaya.plan.layout import Layout
+from zaya.plan.memory import MODES
+from zaya.plan.planner import Plan, plan_run
+
+MAX_MICRO_BATCH = 16
+MAX_GPUS = 1 << 17
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    plan: Plan | None
+    reason: str  # empty when it fits
+
+    @property
+    def hours(self) -> float:
+        return self.plan.to_dict()["hours"] if self.plan is not None else float("inf")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[Layout]:
+    """Every layout of `gpus` GPUs the search considers (cp inside a node)."""
+    result = []
+    batch = config.train.global_batch_size
+    for cp in _divisors(gpus):
+        if cp > gpus_per_node:
+            continue
+        for replicate in _divisors(gpus // cp):
+            shard = gpus // cp // replicate
+            per_rank = batch // (replicate * shard) if batch % (replicate * shard) == 0 else 0
+            micro_batches = [m for m in _divisors(per_rank) if m <= MAX_MICRO_BATCH] if per_rank else [1]
+            for micro in micro_batches:
+                for mode in MODES:
+                    result.append(Layout(gpus, gpus_per_node, replicate, shard, cp, micro, mode))
+    return result
+
+
+def evaluate(config: RunConfig, layout: Layout, device: DeviceSpec, table=None) -> Candidate:
+    """Plan `layout`; a layout that cannot run, or does not fit, says why."""
+    try:
+        plan = plan_run(config, layout.gpus, device, table, layout.gpus_per_node, layout)
+    except ZayaError as exc:
+        return Candidate(layout, None, str(exc).split(": ", 1)[-1])
+    if plan.problems:
+        return Candidate(layout, plan, "; ".join(plan.problems))
+    worst = max(plan.phases, key=lambda phase: phase.memory.total)
+    if not worst.fits:
+        return Candidate(layout, plan, f"needs {worst.memory.total / 1e9:.1f} GB per GPU in phase '{worst.name}', "
+                                       f"the device has {device.memory_bytes / 1e9:.0f} GB")
+    return Candidate(layout, plan, "")
+
+
+def search_layouts(config: RunConfig, gpus: int, gpus_per_node: int, device: DeviceSpec, table=None,
+                   progress: bool = False) -> list[Candidate]:
+    """Every layout of `layouts`, evaluated: the fitting ones first, fastest first, then the rejected
+    (`progress`: a bar on stderr)."""
+    import sys
+
+    from tqdm import tqdm
+
+    options = layouts(config, gpus, gpus_per_node)
+    bar = tqdm(options, unit="layout", desc=f"layouts of {gpus} GPU(s)", file=sys.stderr,
+               disable=not progress or not sys.stderr.isatty(), leave=False)
+    candidates = [evaluate(config, layout, device, table) for layout in bar]
+    return sorted(candidates, key=lambda c: (bool(c.reason), c.hours))
+
+
+def leanest(config: RunConfig, gpus: int, gpus_per_node: int) -> Layout:
+    """The layout of `gpus` GPUs that needs the least memory: everything sharded, full checkpointing, one
+    sequence per micro-batch, the configured cp."""
+    cp = config.parallel.cp if gpus % config.parallel.cp == 0 else 1
+    return Layout(gpus, gpus_per_node, 1, gpus // cp, cp, 1, "full")
+
+
+def smallest_fit(config: RunConfig, device: DeviceSpec, gpus_per_node: int, table=None) -> Candidate | None:
+    """The fastest layout on the smallest power-of-two GPU count on which the run fits (None: none does up to
+    `MAX_GPUS`)."""
+    gpus = 1
+    while gpus <= MAX_GPUS:
+        per_node = min(gpus_per_node, gpus)
+        if not evaluate(config, leanest(config, gpus, per_node), device, table).reason:
+            best = search_layouts(config, gpus, per_node, device, table)
+            return best[0] if best and not best[0].reason else None
+        gpus *= 2
+    return None
+
+
+def describe(candidate: Candidate) -> str:
+    layout = candidate.layout
+    return (f"dp_replicate {layout.dp_replicate:>3} x dp_shard {layout.dp_shard:>4} x cp {layout.cp:>2}, "
+            f"micro-batch {layout.micro_batch_size:>2}, checkpointing {layout.activation_checkpointing:<4}")
+
+
+def with_layout(config: RunConfig, layout: Layout) -> RunConfig:
+    """`config` with `layout`'s mesh, micro-batch and checkpointing (what `--set` would write)."""
+    config = dataclasses.replace(config)
+    config.parallel = dataclasses.replace(config.parallel, dp_replicate=layout.dp_replicate,
+                                          dp_shard=layout.dp_shard, cp=layout.cp)
+    config.train = dataclasses.replace(config.train, micro_batch_size=layout.micro_batch_size,
+                                       activation_checkpointing=layout.activation_checkpointing)
+    return config

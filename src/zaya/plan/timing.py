@@ -1,0 +1,266 @@
+"""Step time, predicted from the GEMMs the step runs, the bytes its elementwise work moves, its operator count
+and the collectives it waits for.
+
+    compute   = sum over the step's GEMMs of FLOPs / rate(shape)            (forward, both backward products,
+                                                                              recomputation, the fused loss,
+                                                                              Newton-Schulz)
+              + attention FLOPs / attention rate                             (causal: T (T + 1) / 2 pairs)
+              + elementwise bytes / memory bandwidth
+              + operators x the cost of launching one
+    step      = compute + exposed communication
+
+Rates come from a measured table (`zaya shapes`, the `local` device) or, for a published device, a roofline:
+min(peak x its GEMM efficiency, arithmetic intensity x memory bandwidth). Elementwise work is counted from
+the activations: each saved byte is written in forward and read in backward, and its gradient written and
+read once (4 passes); the loss adds ~16 bytes per logit (log-softmax, exp, the one-hot subtraction); AdamW
+moves 28 bytes per element (reads p, g, m, v; writes p, m, v), Muon's momentum and update 24, clipping 8.
+The operator count is measured once by running a two-block and a one-block model of the same family and
+counting the ATen operators of forward and backward (`ops_per_block`).
+
+Overlap, as the code does it: FSDP2 prefetches the next block's all-gather and reduce-scatters the previous
+block's gradients while a block computes, so FSDP and HSDP traffic is exposed only beyond the blocks'
+compute, plus one block's all-gather before the first block and one reduce-scatter after the last; the ring
+kernel's KV transfers overlap the attention blocks, the all-gather kernel's do not; Muon's all-to-alls and
+the trainer's all-reduces are exposed. Bandwidth per mesh dimension: the scale-up links if every group of
+that dimension lies inside a node, the network (per GPU) otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from zaya.model.config import ZayaConfig
+from zaya.plan.layout import Layout
+from zaya.plan.memory import GPU_DETAILS, DeviceDetails, activation_bytes
+from zaya.plan.traffic import DIMENSION, Traffic
+
+ADAMW_BYTES, MUON_BYTES, CLIP_BYTES = 28, 24, 8
+LOSS_BYTES_PER_LOGIT = 16
+ELEMENTWISE_PASSES = 4
+
+
+class Rates(Protocol):
+    """What the time model asks of a device (`zaya.plan.shapes.EfficiencyTable`, or `RooflineRates`)."""
+
+    memory_bandwidth: float
+    op_overhead_s: float
+
+    def gemm_rate(self, op: str, m: int, n: int, k: int, groups: int = 1, dtype: str | None = None) -> float: ...
+
+    def attention_rate(self, seq_len: int, head_dim: int, heads: int, kv_heads: int, **kwargs) -> float: ...
+
+
+@dataclass(frozen=True)
+class RooflineRates:
+    """Rates of a published device: GEMMs at `gemm_efficiency` of the peak unless memory-bound; attention
+    (flash kernels) at the same efficiency; elementwise work at `memory_efficiency` of the HBM bandwidth;
+    `op_overhead_s` per kernel launch. The efficiencies are assumptions, stated in `zaya.plan.devices`."""
+
+    peak_flops: dict[str, float]
+    bandwidth: float
+    gemm_efficiency: float
+    memory_efficiency: float = 0.8
+    op_overhead_s: float = 5e-6
+
+    @property
+    def memory_bandwidth(self) -> float:
+        return self.bandwidth * self.memory_efficiency
+
+    def gemm_rate(self, op: str, m: int, n: int, k: int, groups: int = 1, dtype: str | None = None) -> float:
+        dtype = dtype or "bf16"
+        peak = self.peak_flops.get(dtype, self.peak_flops["bf16"])
+        element = 2 if dtype == "bf16" else 4
+        flops = 2.0 * m * n * k
+        weights = groups if op == "grouped" else 1
+        moved = element * (m * k + weights * k * n + m * n)
+        return min(peak * self.gemm_efficiency, flops / moved * self.memory_bandwidth)
+
+    def attention_rate(self, seq_len: int, head_dim: int, heads: int, kv_heads: int, **kwargs) -> float:
+        return self.peak_flops[kwargs.get("dtype") or "bf16"] * self.gemm_efficiency
+
+
+@dataclass
+class StepTime:
+    """Seconds of one optimizer step by part (see the module docstring)."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    overhead: float = 0.0
+    optimizer: float = 0.0
+    comm_exposed: float = 0.0
+    comm_by_dimension: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def compute(self) -> float:
+        return self.gemm + self.attention + self.elementwise + self.overhead + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm_exposed
+
+    def to_dict(self) -> dict[str, float]:
+        return {"gemm": self.gemm, "attention": self.attention, "elementwise": self.elementwise,
+                "overhead": self.overhead, "optimizer": self.optimizer, "comm_exposed": self.comm_exposed,
+                "total": self.total}
+
+
+def _dense(rates: Rates, m: float, n: int, k: int, dtype: str, backward: bool) -> float:
+    """Seconds of one dense GEMM [m, k] x [k, n], and with `backward` its two gradient products."""
+    m = max(1, int(m))
+    seconds = 2.0 * m * n * k / rates.gemm_rate("dense", m, n, k, 1, dtype)
+    if backward:
+        seconds += 2.0 * m * n * k / rates.gemm_rate("dense", m, k, n, 1, dtype)  # dX = dY W
+        seconds += 2.0 * m * n * k / rates.gemm_rate("dense", n, k, m, 1, dtype)  # dW = dY^T X
+    return seconds
+
+
+def _grouped(rates: Rates, m: float, n: int, k: int, groups: int, dtype: str, backward: bool) -> float:
+    m = max(groups, int(m))
+    seconds = 2.0 * m * n * k / rates.gemm_rate("grouped", m, n, k, groups, dtype)
+    return seconds * (3 if backward else 1)
+
+
+def block_gemm_seconds(c: ZayaConfig, rates: Rates, tokens: int, precision: str, rho: float,
+                       backward: bool = True, parts: str = "all") -> float:
+    """One block's GEMMs for `tokens` tokens (`parts`: "all", "attention" or "moe")."""
+    a = precision
+    D, Q, K, R, E, F_ = c.hidden_size, c.query_latent, c.key_latent, c.router_hidden_size, c.num_experts, \
+        c.moe_intermediate_size
+    attention = _dense(rates, tokens, Q + 2 * K, D, a, backward) + _dense(rates, tokens, D, Q, a, backward) + \
+        _dense(rates, tokens, Q + K, c.head_dim * (c.conv_padding + 1), a, backward)
+    moe = (_dense(rates, tokens, R, D, "fp32", backward) + 2 * _dense(rates, tokens, R, R, "fp32", backward)
+           + _dense(rates, tokens, E + 1, R, "fp32", backward)
+           + _grouped(rates, tokens * rho, 2 * F_, D, E, a, backward) + _grouped(rates, tokens * rho, D, F_, E, a,
+                                                                              backward))
+    return {"all": attention + moe, "attention": attention, "moe": moe}[parts]
+
+
+def loss_gemm_seconds(c: ZayaConfig, rates: Rates, tokens: int, precision: str, details: DeviceDetails) -> float:
+    """The fused loss's three products per chunk (logits, dL/dh, dL/dW), all in its forward."""
+    V, D = c.vocab_size, c.hidden_size
+    dtype = "fp32" if c.fp32_logits else precision
+    rows = min(tokens, max(16, details.loss_chunk_logits // V))
+    chunks = tokens / rows
+    per_chunk = (2.0 * rows * V * D / rates.gemm_rate("dense", rows, V, D, 1, dtype)
+                 + 2.0 * rows * V * D / rates.gemm_rate("dense", rows, D, V, 1, dtype)
+                 + 2.0 * rows * V * D / rates.gemm_rate("dense", V, D, rows, 1, dtype))
+    return chunks * per_chunk
+
+
+def attention_seconds(c: ZayaConfig, rates: Rates, seq_len: int, sequences: int, cp: int, precision: str,
+                      passes: float) -> float:
+    """Causal attention of `sequences` sequences (this rank's 1/cp of the pairs), forward and backward
+    (`passes` = 3: the backward costs two forwards; 4 with the forward recomputed)."""
+    forward = 4.0 * c.num_attention_heads * c.head_dim * seq_len * (seq_len + 1) / 2 * sequences / cp
+    rate = rates.attention_rate(seq_len, c.head_dim, c.num_attention_heads, c.num_key_value_heads, dtype=precision)
+    return forward * passes / rate
+
+
+@functools.lru_cache(maxsize=8)
+def _ops_per_block(key: str) -> tuple[float, float]:
+    """(operators per block, operators outside the blocks) of one forward + backward, counted on a small
+    model with the same options (`key`: its config as JSON)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zaya.model.transformer import Zaya
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for layers in (1, 2):
+        config = ZayaConfig(**{**json.loads(key), "num_hidden_layers": layers})
+        torch.manual_seed(0)
+        model = Zaya(config)
+        ids = torch.randint(0, config.vocab_size, (1, 33), generator=torch.Generator().manual_seed(0))
+        with Count() as count:
+            model.loss(ids[:, :-1], ids[:, 1:]).backward()
+        counts.append(count.calls)
+    return float(counts[1] - counts[0]), float(2 * counts[0] - counts[1])
+
+
+def ops_per_block(config: ZayaConfig) -> tuple[float, float]:
+    """The operator counts of `_ops_per_block`, for a small model with `config`'s options."""
+    small = {**config.to_dict(), "vocab_size": 256, "hidden_size": 64, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "head_dim": 16, "num_experts": 2, "moe_intermediate_size": 32,
+             "router_hidden_size": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
+    return _ops_per_block(json.dumps(small, sort_keys=True))
+
+
+def optimizer_seconds(c: ZayaConfig, rates: Rates, layout: Layout, ns_dtype: str, ns_steps: int) -> float:
+    """Muon's Newton-Schulz on the matrices this rank owns (1/N of the work, balanced), its momentum and
+    update, AdamW and clipping on this rank's shards."""
+    from zaya.plan.inventory import inventory
+
+    n = layout.shard_ranks
+    dtype = "bf16" if ns_dtype in ("bfloat16", "bf16") else "fp32"
+    seconds, muon_elements, adamw_elements = 0.0, 0, 0
+    for param in inventory(c).params:
+        if param.muon:
+            count = param.shape[0] if len(param.shape) == 3 else 1
+            rows, cols = param.shape[-2:]
+            k, m = min(rows, cols), max(rows, cols)
+            # per step: X X^T [k, m] x [m, k], A^2 [k, k] x [k, k], (bA + cA^2) X [k, k] x [k, m]
+            per_step = 2.0 * k * k * m / rates.gemm_rate("dense", k, k, m, 1, dtype) + \
+                2.0 * k ** 3 / rates.gemm_rate("dense", k, k, k, 1, dtype) + \
+                2.0 * k * k * m / rates.gemm_rate("dense", k, m, k, 1, dtype)
+            seconds += count * ns_steps * per_step / n
+            muon_elements += param.numel
+        else:
+            adamw_elements += param.numel
+    moved = (muon_elements * MUON_BYTES + adamw_elements * ADAMW_BYTES + (muon_elements + adamw_elements)
+             * CLIP_BYTES) / n
+    return seconds + moved / rates.memory_bandwidth
+
+
+def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro_batches: int, rates: Rates,
+              traffic: Traffic, bandwidths: dict[str, float], ns_dtype: str = "bfloat16", ns_steps: int = 5,
+              cp_kernel: str = "allgather", details: DeviceDetails = GPU_DETAILS) -> StepTime:
+    """The `StepTime` of one optimizer step of rank 0; `bandwidths` are bytes/s per mesh dimension."""
+    mode = layout.activation_checkpointing
+    tokens = layout.micro_batch_size * seq_len // layout.cp
+    rho = 1 + c.num_experts * (details.row_multiple - 1) / 2 / max(tokens, 1)
+    L = c.num_hidden_layers
+    time = StepTime()
+    blocks = L * block_gemm_seconds(c, rates, tokens, precision, rho)
+    recomputed = {"none": 0.0, "moe": L * block_gemm_seconds(c, rates, tokens, precision, rho, False, "moe"),
+                  "full": L * block_gemm_seconds(c, rates, tokens, precision, rho, False)}[mode]
+    loss = loss_gemm_seconds(c, rates, tokens, precision, details)
+    time.gemm = micro_batches * (blocks + recomputed + loss)
+    passes = 4 if mode == "full" else 3
+    time.attention = micro_batches * L * attention_seconds(c, rates, seq_len, layout.micro_batch_size, layout.cp,
+                                                           precision, passes)
+    saved, _ = activation_bytes(c, tokens, seq_len, layout.cp, precision, "none", details)
+    saved -= c.vocab_size * c.hidden_size * 4  # the loss's dW: written once, counted with the loss
+    moved = ELEMENTWISE_PASSES * saved * (1.25 if mode != "none" else 1.0) + \
+        LOSS_BYTES_PER_LOGIT * tokens * c.vocab_size
+    time.elementwise = micro_batches * moved / rates.memory_bandwidth
+    per_block, outside = ops_per_block(c)
+    recompute_ops = {"none": 0.0, "moe": 0.25, "full": 0.5}[mode] * per_block * L
+    time.overhead = micro_batches * (per_block * L + outside + recompute_ops) * rates.op_overhead_s
+    time.optimizer = optimizer_seconds(c, rates, layout, ns_dtype, ns_steps)
+    time.comm_by_dimension = {dim: 0.0 for dim in set(DIMENSION.values())}
+    seconds = {}
+    for kind, nbytes in traffic.by_kind.items():
+        seconds[kind] = nbytes / bandwidths[DIMENSION[kind]]
+        time.comm_by_dimension[DIMENSION[kind]] += seconds[kind]
+    fsdp = sum(v for k, v in seconds.items() if k.startswith("fsdp_"))
+    block_compute = time.gemm + time.attention + time.elementwise
+    edges = 2 * fsdp / max(1, 2 * L + 1)  # one block's gathering before the first, its reduction after the last
+    exposed = max(0.0, fsdp - block_compute) + edges if fsdp else 0.0
+    cp = sum(v for k, v in seconds.items() if k.startswith("cp_"))
+    exposed += cp if cp_kernel == "allgather" else max(0.0, cp - time.attention)
+    exposed += sum(v for k, v in seconds.items() if k.startswith("muon_") or k == "trainer")
+    time.comm_exposed = exposed
+    return time

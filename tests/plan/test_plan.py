@@ -1,0 +1,127 @@
+"""`zaya plan`: the counts it shares with `zaya params` and `zaya.model.flops`, ZAYA1-base on the reference
+clusters, the layout search, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zaya.cli import main
+from zaya.config import load_config
+from zaya.model.flops import training_flops_per_token
+from zaya.model.params import parameter_report
+from zaya.model.presets import PRESETS, get_preset
+from zaya.plan.devices import get_device
+from zaya.plan.layout import Layout
+from zaya.plan.planner import plan_run
+from zaya.plan.search import layouts, search_layouts
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ROOT / "configs" / "zaya1-base.toml"
+
+
+def _plan_json(capsys, *args: str) -> dict:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_counts_are_those_of_zaya_params_and_the_flops_convention(preset):
+    config = load_config(ROOT / "configs" / "tiny.toml", [f"model.preset={preset!r}".replace("'", '"'),
+                                                          "data.seq_len=1024"])
+    plan = plan_run(config, 8, get_device("h100")).to_dict()
+    report = parameter_report(get_preset(preset, temp_init=1.0))
+    assert (plan["params_total"], plan["params_active"], plan["params_embedding"]) == \
+        (report.total, report.active, report.embedding)
+    assert plan["flops_per_token"] == pytest.approx(training_flops_per_token(get_preset(preset), 1024), rel=1e-12)
+
+
+def test_zaya1_base_fits_on_1024_mi300x_with_fsdp_alone(capsys):
+    plan = _plan_json(capsys, str(BASE), "--gpus", "1024", "--gpus-per-node", "8", "--device", "mi300x")
+    assert plan["fits"] and not plan["problems"]
+    assert plan["memory_per_gpu"]["total"] < 192e9
+    # no expert or tensor parallelism: every parameter is in the FSDP shards, the experts whole
+    assert plan["layout"]["dp_replicate"] * plan["layout"]["dp_shard"] == 1024
+    assert [p["name"] for p in plan["phases"]] == ["pretrain-web", "math-code", "long-context"]
+    assert plan["phases"][2]["seq_len"] == 32768 and plan["phases"][2]["cp"] == 8
+    assert all(p["hours"] > 0 and p["tokens"] > 0 for p in plan["phases"])
+    for key in ("params_total", "params_active", "flops_per_token", "memory_per_gpu", "fits", "comm_bytes_per_step",
+                "step_time_s", "tokens_per_s_per_gpu", "mfu", "phases"):
+        assert key in plan
+    assert 0 < plan["mfu"] < 1
+    assert plan["tokens_per_s_per_gpu"] == pytest.approx(4096 * 2048 / plan["step_time_s"] / 1024, rel=1e-6)
+
+
+def test_one_h100_does_not_fit_and_the_smallest_layout_that_does_is_named(capsys):
+    plan = _plan_json(capsys, str(BASE), "--gpus", "1", "--device", "h100")
+    assert not plan["fits"]
+    # the fp32 master shards, gradients and optimizer state of 8.8B parameters alone exceed 80 GB
+    state = sum(plan["memory_per_gpu"][k] for k in ("parameters", "gradients", "optimizer_state"))
+    assert state > 80e9
+    smallest = plan["smallest_fit"]
+    assert smallest["gpus"] > 1 and smallest["layout"]["gpus"] == smallest["gpus"]
+    # and that layout does fit when planned on its own
+    layout = Layout(**smallest["layout"])
+    assert plan_run(load_config(BASE), layout.gpus, get_device("h100"), layout=layout).fits
+    text_code = main(["plan", str(BASE), "--gpus", "1", "--device", "h100"])
+    out = capsys.readouterr().out
+    assert text_code == 0 and "does NOT fit" in out and "smallest layout that fits" in out
+
+
+def test_devices_are_listed_in_lower_case(capsys):
+    assert main(["plan", "--devices"]) == 0
+    out = capsys.readouterr().out
+    for name in ("mi300x", "mi325x", "mi355x", "h100", "h200", "b200", "local"):
+        assert f"\n{name} " in "\n" + out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--device", "H100"], "unknown device 'H100'"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--device", "h100", "--gpus", "8", "--set", "parallel.dp_shard=3"], "dp_replicate x dp_shard x cp"),
+    (["--device", "h100", "--gpus", "3"], "does not divide"),
+    (["--device", "h100", "--gpus", "0"], "--gpus"),
+], ids=["capitalised", "unknown", "layout-product", "batch", "no-gpus"])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    assert main(["plan", str(BASE), *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], captured.err
+
+
+def test_search_ranks_fitting_layouts_and_gives_reasons_for_the_rest():
+    config = load_config(BASE)
+    ranked = search_layouts(config, 64, 8, get_device("h100"))
+    assert len(ranked) == len(layouts(config, 64, 8))
+    fitting = [c for c in ranked if not c.reason]
+    rejected = [c for c in ranked if c.reason]
+    assert fitting and rejected
+    assert ranked[:len(fitting)] == fitting  # fitting first ...
+    hours = [c.hours for c in fitting]
+    assert hours == sorted(hours)  # ... fastest first
+    # cp = 2 or 4 cannot run the long-context phase's cp = 8 with every dp_replicate: each says why
+    assert all(c.reason for c in rejected)
+    assert any("needs" in c.reason and "GB" in c.reason for c in rejected) or any("cp" in c.reason for c in rejected)
+    for candidate in fitting[:3]:
+        assert candidate.plan.first.memory.total <= 80e9
+
+
+def test_a_group_spans_nodes_only_when_its_members_do():
+    layout = Layout(32, 8, 4, 4, 2, 1, "none")
+    assert not layout.spans_nodes(2, 1)  # cp pairs: neighbours
+    assert not layout.spans_nodes(8, 1)  # dp_shard x cp: one node
+    assert layout.spans_nodes(4, 8)  # replicas: one per node
+    assert Layout(16, 8, 1, 16, 1, 1, "none").spans_nodes(16, 1)
+    assert not Layout(6, 6, 1, 3, 2, 1, "none").spans_nodes(3, 2)
+    assert Layout(12, 6, 1, 4, 3, 1, "none").spans_nodes(4, 3)
+
+
+def test_more_gpus_need_less_state_per_gpu_and_checkpointing_less_activation_memory():
+    config = load_config(BASE)
+    eight, sixty_four = (plan_run(config, n, get_device("h200")).first.memory for n in (8, 64))
+    assert sixty_four.parameters < eight.parameters / 7
+    modes = plan_run(config, 8, get_device("h200")).first.activations_by_mode
+    assert modes["full"] < modes["moe"] < modes["none"]
