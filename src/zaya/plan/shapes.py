@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -313,19 +314,23 @@ class EfficiencyTable:
             return (math.log2(m), math.log2(n), math.log2(k), math.log2(groups))
         return (math.log2(m), math.log2(n), math.log2(k))
 
-    def _points(self, op: str, dtype: str) -> list[tuple[tuple[float, ...], float, float]]:
-        """(coordinates, log r, rate) of every measurement of `op` in `dtype`."""
+    def _points(self, op: str, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(coordinates [P, C], log r [P], rate [P]) of the measurements of `op` in `dtype`."""
         key = ("points", op, dtype)
         if key not in self._index:
-            points = []
+            coords, log_r, rates = [], [], []
             for r in self.records:
                 if r.op != op or r.dtype != dtype or r.seconds <= 0:
                     continue
                 roof = self._roof_seconds(op, r.m, r.n, r.k, r.groups, dtype)
                 if op == "attention":  # the roofline is per sequence: a call holds flops / flops-per-sequence
                     roof *= r.flops / gemm_flops(op, r.m, r.n, r.k, r.groups)
-                points.append((self._coords(op, r.m, r.n, r.k, r.groups), math.log(roof / r.seconds), r.rate))
-            self._index[key] = points
+                coords.append(self._coords(op, r.m, r.n, r.k, r.groups))
+                log_r.append(math.log(roof / r.seconds))
+                rates.append(r.rate)
+            width = 3 if op == "dense" else 4
+            self._index[key] = (np.array(coords, dtype=np.float64).reshape(-1, width), np.array(log_r),
+                                np.array(rates))
         return self._index[key]
 
     def _rate(self, op: str, m: int, n: int, k: int, groups: int, dtype: str) -> float:
@@ -341,31 +346,24 @@ class EfficiencyTable:
         return rate
 
     def _interpolate(self, op: str, m: int, n: int, k: int, groups: int, dtype: str) -> float:
-        points = self._points(op, dtype)
-        if not points and op != "attention":
-            other = self._points("grouped" if op == "dense" else "dense", dtype)
-            if other:  # the other GEMM op's efficiencies, with this op's roofline
-                points = [(p[0][:3], p[1], p[2]) for p in other]
-                m_coord = m / groups if op == "grouped" else m
-                query = (math.log2(max(m_coord, 1e-3)), math.log2(n), math.log2(k))
-            else:
-                query = None
-        else:
-            query = self._coords(op, m, n, k, groups)
+        coords, log_rs, rates = self._points(op, dtype)
+        query = np.array(self._coords(op, m, n, k, groups))
+        if not len(rates) and op != "attention":  # the other GEMM op's efficiencies, with this op's roofline
+            coords, log_rs, rates = self._points("grouped" if op == "dense" else "dense", dtype)
+            coords, query = coords[:, :3], query[:3]
         roof = self._roof_seconds(op, m, n, k, groups, dtype)
         flops = gemm_flops(op, m, n, k, groups)
-        if not points or query is None:
-            every = [p[1] for o in OPS for d in {dtype, self.dtype} for p in self._points(o, d)]
-            log_r = statistics.median(every) if every else 0.0
+        if not len(rates):
+            every = np.concatenate([self._points(o, d)[1] for o in OPS for d in sorted({dtype, self.dtype})])
+            log_r = float(np.median(every)) if len(every) else 0.0
             return min(math.exp(log_r) * flops / roof, self.peak(dtype))
-        nearest = sorted((sum((a - b) ** 2 for a, b in zip(c, query, strict=True)), log_r, rate)
-                         for c, log_r, rate in points)[:_NEIGHBOURS]
-        if nearest[0][0] == 0.0:  # the same coordinates (a grouped shape of the same rows per group)
-            log_r = statistics.fmean(p[1] for p in nearest if p[0] == 0.0)
-        else:
-            weights = [1.0 / p[0] for p in nearest]
-            log_r = sum(w * p[1] for w, p in zip(weights, nearest, strict=True)) / sum(weights)
-        cap = max(self.peak(dtype), max(p[2] for p in nearest))
+        distance = ((coords - query) ** 2).sum(axis=1)
+        nearest = np.argsort(distance, kind="stable")[:_NEIGHBOURS]
+        d, near_log_r = distance[nearest], log_rs[nearest]
+        same = d == 0.0  # the same coordinates (a grouped shape of the same rows per group): those alone
+        weights = same.astype(np.float64) if same.any() else 1.0 / d
+        log_r = float((weights * near_log_r).sum() / weights.sum())
+        cap = max(self.peak(dtype), float(rates[nearest].max()))
         return min(math.exp(log_r) * flops / roof, cap)
 
     # ---- files ------------------------------------------------------------------------------------
