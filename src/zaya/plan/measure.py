@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import functools
+import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -48,16 +49,18 @@ def activation_bytes(forward: Callable[[], Any], model: nn.Module) -> tuple[Any,
     `torch.distributed._composable.checkpoint` was applied to."""
     from torch.distributed._composable.checkpoint_activation import checkpoint
 
-    skip = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
     def keep(tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        if tensor.device.type != "meta" and storage.data_ptr() not in skip and not isinstance(tensor, nn.Parameter):
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.requires_grad or tensor.grad_fn is not None:  # leaves that require grad: parameters
+        # parameters, and FSDP2's unsharded ones (its all-gather buffers, communication buffers that it frees
+        # and re-gathers), are saved as the parameter objects themselves or views of them; identified so, not
+        # by address, which freed buffers hand on to later activations
+        if not isinstance(tensor, nn.Parameter) and not isinstance(tensor._base, nn.Parameter):
             keep(tensor)
         return tensor
 
@@ -66,14 +69,8 @@ def activation_bytes(forward: Callable[[], Any], model: nn.Module) -> tuple[Any,
             if isinstance(value, torch.Tensor):
                 keep(value)
 
-    def gathered(module: nn.Module, args: tuple) -> None:
-        # FSDP2 has just put the unsharded parameters in place: views of its all-gather buffers, which are
-        # communication buffers, not activations
-        skip.update(p.untyped_storage().data_ptr() for p in module.parameters(recurse=False))
-
-    handles = [module.register_forward_pre_hook(gathered) for module in model.modules()]
-    handles += [module.register_forward_pre_hook(inputs, with_kwargs=True)
-                for module in model.modules() if checkpoint.state(module) is not None]
+    handles = [module.register_forward_pre_hook(inputs, with_kwargs=True)
+               for module in model.modules() if checkpoint.state(module) is not None]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             result = forward()
@@ -91,18 +88,22 @@ def measured_step(preset: str, precision: str, seq_len: int, micro_batch_size: i
     does (FSDP2 over the job's mesh, Muon + AdamW), run `steps` optimizer steps of `micro_batches`
     micro-batches of random tokens (Newton-Schulz in `ns_dtype`), and return what the last step held and
     sent: `state` (`state_bytes`), `activations` (of its first micro-batch), `comm` (bytes by collective
-    kind; this loop makes none of the trainer's own all-reduces) and `seconds` (the last step)."""
+    kind; this loop makes none of the trainer's own all-reduces) and `seconds` (the median step after the
+    first, which warms the allocator and the kernels up; the only one if `steps` is 1)."""
     import time
 
     from zaya.config import RunConfig
+    from zaya.device import tune_host_allocator
     from zaya.model.presets import get_preset
     from zaya.model.transformer import Zaya
     from zaya.optim import build_optimizer
     from zaya.parallel.context import ContextParallel, SequenceLayout
+    from zaya.parallel.dtensor import clip_grad_norm_
     from zaya.parallel.fsdp import parallelize
     from zaya.parallel.launch import Launch
     from zaya.parallel.mesh import ParallelConfig, init_parallel
 
+    tune_host_allocator()  # as the trainer does
     device = torch.device("cpu")
     context = init_parallel(ParallelConfig(dp_replicate=dp_replicate, cp=cp, cp_kernel=cp_kernel), device,
                             Launch.from_env())
@@ -119,6 +120,7 @@ def measured_step(preset: str, precision: str, seq_len: int, micro_batch_size: i
         generator = torch.Generator().manual_seed(seed + context.dp_rank)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
         result: dict = {}
+        times = []
         for _ in range(steps):
             context.counter.take()
             started = time.perf_counter()
@@ -135,9 +137,11 @@ def measured_step(preset: str, precision: str, seq_len: int, micro_batch_size: i
                 if micro == 0:
                     result["activations"] = saved
                 (loss / micro_batches).backward()
+            clip_grad_norm_([p for p in model.parameters() if p.grad is not None], run.train.grad_clip)
             optimizer.step()
-            result["seconds"] = time.perf_counter() - started
+            times.append(time.perf_counter() - started)
             result["comm"] = context.counter.take()
+        result["seconds"] = statistics.median(times[1:] or times)
         result["state"] = state_bytes(model, optimizer)
         return result
     finally:

@@ -258,6 +258,10 @@ class EfficiencyTable:
     tokens: list[int] = field(default_factory=list)  # micro-batch token counts the sweep used
     seq_lens: list[int] = field(default_factory=list)  # sequence lengths of its attention shapes
     skipped: dict[str, int] = field(default_factory=dict)  # shapes not measured, by reason
+    # the model's elementwise work against the bytes model, measured by running it (`zaya.plan.calibrate`);
+    # 0: not measured (the bytes model as it is)
+    elementwise_factor: float = 0.0
+    optimizer_factor: float = 0.0
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -670,13 +674,21 @@ def sweep(
         bar.close()
     # timed again after the shapes, the larger kept: a busy moment of the machine does not set the peak
     peaks[name] = max(peaks[name], measure_matmul_flops(device, torch_dt, size=8192))
-    return EfficiencyTable(
+    table = EfficiencyTable(
         device=str(device), device_label=device_label(device), dtype=name, peak_flops=peaks[name],
         memory_bandwidth=bandwidth, op_overhead_s=overhead, records=records, preset=preset,
         measured_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         torch_version=torch.__version__, peaks=peaks, memory_bytes=memory, tokens=list(tokens), seq_lens=seq_lens,
         skipped={k: v for k, v in skipped.items() if v},
     )
+    from zaya.plan.calibrate import measure_elementwise
+
+    rates = measure_elementwise(preset, table, device, min(tokens))
+    if rates is not None:
+        table.elementwise_factor, table.optimizer_factor = rates.factor, rates.optimizer_factor
+    else:
+        table.skipped["elementwise"] = 1
+    return table
 
 
 # ---- recommendations ------------------------------------------------------------------------------------

@@ -13,9 +13,11 @@ Rates come from a measured table (`zaya shapes`, the `local` device) or, for a p
 min(peak x its GEMM efficiency, arithmetic intensity x memory bandwidth). Elementwise work is counted from
 the activations: each saved byte is written in forward and read in backward, and its gradient written and
 read once (4 passes); the loss adds ~16 bytes per logit (log-softmax, exp, the one-hot subtraction); AdamW
-moves 28 bytes per element (reads p, g, m, v; writes p, m, v), Muon's momentum and update 24, clipping 8.
-The operator count is measured once by running a two-block and a one-block model of the same family and
-counting the ATen operators of forward and backward (`ops_per_block`).
+moves 28 bytes per element (reads p, g, m, v; writes p, m, v), Muon's momentum and update 24, clipping 8;
+FSDP2's copies into and out of its collective buffers are counted per micro-batch (`fsdp_copy_bytes`).
+On a measured device (`zaya shapes`) both are scaled by the factors `zaya.plan.calibrate` measured by
+running the model. The operator count is measured once by running a two-block and a one-block model of the
+same family and counting the ATen operators of forward and backward (`ops_per_block`).
 
 Overlap, as the code does it: FSDP2 prefetches the next block's all-gather and reduce-scatters the previous
 block's gradients while a block computes, so FSDP and HSDP traffic is exposed only beyond the blocks'
@@ -198,9 +200,25 @@ def ops_per_block(config: ZayaConfig) -> tuple[float, float]:
     return _ops_per_block(json.dumps(small, sort_keys=True))
 
 
-def optimizer_seconds(c: ZayaConfig, rates: Rates, layout: Layout, ns_dtype: str, ns_steps: int) -> float:
+def fsdp_copy_bytes(c: ZayaConfig, layout: Layout, precision: str) -> float:
+    """Bytes FSDP2 copies per micro-batch, on one rank as on many: each all-gather copies the shards into its
+    buffer and out into the unsharded parameters (read and write, twice), each reduce-scatter the unsharded
+    gradients into its fp32 buffer and its output into the sharded gradients (three read-write passes)."""
+    from zaya.plan.inventory import inventory
+
+    total = 0.0
+    for unit in inventory(c).units:
+        param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else 4
+        gathers = 2 if unit.reshard_after_forward and layout.shard_ranks > 1 else 1
+        total += gathers * 4 * unit.numel * param_bytes + 6 * unit.numel * 4
+    return total
+
+
+def optimizer_seconds(c: ZayaConfig, rates: Rates, layout: Layout, ns_dtype: str, ns_steps: int,
+                      factor: float = 1.0, gemms_only: bool = False) -> float:
     """Muon's Newton-Schulz on the matrices this rank owns (1/N of the work, balanced), its momentum and
-    update, AdamW and clipping on this rank's shards."""
+    update, AdamW and clipping on this rank's shards, by the bytes they move x `factor` (measured on the
+    device, `zaya.plan.calibrate`). `gemms_only`: Newton-Schulz alone."""
     from zaya.plan.inventory import inventory
 
     n = layout.shard_ranks
@@ -219,9 +237,11 @@ def optimizer_seconds(c: ZayaConfig, rates: Rates, layout: Layout, ns_dtype: str
             muon_elements += param.numel
         else:
             adamw_elements += param.numel
+    if gemms_only:
+        return seconds
     moved = (muon_elements * MUON_BYTES + adamw_elements * ADAMW_BYTES + (muon_elements + adamw_elements)
              * CLIP_BYTES) / n
-    return seconds + moved / rates.memory_bandwidth
+    return seconds + moved / rates.memory_bandwidth * factor
 
 
 def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro_batches: int, rates: Rates,
@@ -241,15 +261,19 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     passes = 4 if mode == "full" else 3
     time.attention = micro_batches * L * attention_seconds(c, rates, seq_len, layout.micro_batch_size, layout.cp,
                                                            precision, passes)
+    # a recomputed region repeats its forward's share (about a third) of its elementwise work
+    recompute = {"none": 1.0, "moe": 1 + 0.5 / 3, "full": 1 + 1 / 3}[mode]
     saved, _ = activation_bytes(c, tokens, seq_len, layout.cp, precision, "none", details)
     saved -= c.vocab_size * c.hidden_size * 4  # the loss's dW: written once, counted with the loss
-    moved = ELEMENTWISE_PASSES * saved * (1.25 if mode != "none" else 1.0) + \
-        LOSS_BYTES_PER_LOGIT * tokens * c.vocab_size
-    time.elementwise = micro_batches * moved / rates.memory_bandwidth
+    moved = ELEMENTWISE_PASSES * saved * recompute + LOSS_BYTES_PER_LOGIT * tokens * c.vocab_size
+    # measured on the device: how much slower than the bytes say (`zaya.plan.calibrate`)
+    seconds = moved / rates.memory_bandwidth * (getattr(rates, "elementwise_factor", 0.0) or 1.0)
+    time.elementwise = micro_batches * (seconds + fsdp_copy_bytes(c, layout, precision) / rates.memory_bandwidth)
     per_block, outside = ops_per_block(c)
     recompute_ops = {"none": 0.0, "moe": 0.25, "full": 0.5}[mode] * per_block * L
     time.overhead = micro_batches * (per_block * L + outside + recompute_ops) * rates.op_overhead_s
-    time.optimizer = optimizer_seconds(c, rates, layout, ns_dtype, ns_steps)
+    time.optimizer = optimizer_seconds(c, rates, layout, ns_dtype, ns_steps,
+                                       getattr(rates, "optimizer_factor", 0.0) or 1.0)
     time.comm_by_dimension = {dim: 0.0 for dim in set(DIMENSION.values())}
     seconds = {}
     for kind, nbytes in traffic.by_kind.items():
