@@ -9,24 +9,13 @@ import torch
 
 from multiprocess import run_distributed
 from zaya.cli import main
-from zaya.plan.compare import Case, predicted_step
+from zaya.plan.compare import ACCURACY_CASES, TIME_CASES, Case, predicted_step
 from zaya.plan.measure import measured_step
 from zaya.plan.shapes import EfficiencyTable
 
 pytestmark = pytest.mark.slow
 
-CASES = [
-    Case("tiny", "fp32", 64, 2, 2, world=1),
-    Case("tiny", "fp32", 64, 2, 2, world=2),
-    Case("tiny", "fp32", 64, 2, 2, world=4),
-    Case("small", "fp32", 64, 2, 1, world=1),
-    Case("small", "fp32", 64, 2, 1, world=2),
-    Case("small", "fp32", 64, 2, 1, world=4),
-    Case("tiny", "fp32", 64, 2, 1, world=4, dp_replicate=2),
-    Case("tiny", "fp32", 128, 2, 1, world=2, cp=2),
-    Case("tiny", "fp32", 128, 2, 1, world=4, cp=2, cp_kernel="ring", activation_checkpointing="full"),
-    Case("tiny", "bf16", 64, 2, 1, world=2, activation_checkpointing="moe"),
-]
+CASES = ACCURACY_CASES
 
 
 def _measure(rank: int, world: int, kwargs: dict) -> dict:
@@ -75,8 +64,7 @@ def local_tables(tmp_path_factory):
     return tables
 
 
-@pytest.mark.parametrize("case", [Case("tiny", "fp32", 256, 4, 2), Case("small", "fp32", 256, 4, 1)],
-                         ids=["tiny", "small"])
+@pytest.mark.parametrize("case", TIME_CASES, ids=[case.preset for case in TIME_CASES])
 def test_predicted_step_time_is_within_a_quarter_of_the_measured_one(case, local_tables, capsys):
     table = local_tables[case.preset]
     capsys.readouterr()

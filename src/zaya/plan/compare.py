@@ -55,6 +55,22 @@ class Case:
         return config
 
 
+# what tests/plan/test_accuracy.py and benchmarks/plan_accuracy.py measure: memory and traffic on 1 to 4 gloo
+# ranks (FSDP2, HSDP, context parallelism, checkpointing, bf16), and one process's step time
+ACCURACY_CASES = (
+    Case("tiny", "fp32", 64, 2, 2, world=1),
+    Case("tiny", "fp32", 64, 2, 2, world=2),
+    Case("tiny", "fp32", 64, 2, 2, world=4),
+    Case("small", "fp32", 64, 2, 1, world=1),
+    Case("small", "fp32", 64, 2, 1, world=2),
+    Case("small", "fp32", 64, 2, 1, world=4),
+    Case("tiny", "fp32", 64, 2, 1, world=4, dp_replicate=2),
+    Case("tiny", "fp32", 128, 2, 1, world=2, cp=2),
+    Case("tiny", "fp32", 128, 2, 1, world=4, cp=2, cp_kernel="ring", activation_checkpointing="full"),
+    Case("tiny", "bf16", 64, 2, 1, world=2, activation_checkpointing="moe"),
+)
+TIME_CASES = (Case("tiny", "fp32", 256, 4, 2), Case("small", "fp32", 256, 4, 1))
+
 CPU_DETAILS = {"fp32": DeviceDetails(1, 1 << 21), "bf16": DeviceDetails(32, 1 << 21)}
 
 
