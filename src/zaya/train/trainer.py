@@ -13,6 +13,7 @@ One optimizer step:
     one all-reduce of the step's statistics;  balancing controller.update(global expert counts)
     the training signals: a loss spike rolls back to the last checkpoint (zaya.train.signals)
     phase switch once its token budget is spent (a new mesh if its cp differs);  metrics;  eval;  checkpoint
+    (at startup the plan's prediction, after 20 steps the measured figures beside it: zaya.train.forecast)
 
 The model is sharded from outside (`zaya.parallel.parallelize`) on one rank as on many: the same code path,
 no gradient all-reduce of its own. Under `zaya supervise` each rank writes a heartbeat as it enters a
@@ -64,6 +65,7 @@ from zaya.train import checkpoint as ckpt
 from zaya.train import state as train_state
 from zaya.train.balance import BalanceController, load_imbalance
 from zaya.train.checkpoint_files import prewarm
+from zaya.train.forecast import Forecast
 from zaya.train.metrics import MetricsLogger
 from zaya.train.phases import TrainingPhases
 from zaya.train.signals import TrainingSignals
@@ -410,6 +412,8 @@ class Trainer(TrainingSignals, TrainingPhases):
             self._say("parameter groups:\n" + describe_param_groups(self.model, self.config.optim))
         self._say(f"training on {self.device} ({vendor(self.device)}), {train.precision}; "
                   f"{self.parallel.describe()}; peak {self.peak / 1e12:.2f} TFLOP/s per device ({self.peak_source})")
+        forecast, message = Forecast.start(self.config, self.launch.world_size, self.device, self.state.phase)
+        self._say(message)
         self.model.train()
         last: dict = {}
         peak = self.peak * self.launch.world_size
@@ -438,6 +442,9 @@ class Trainer(TrainingSignals, TrainingPhases):
                 if step % logging.log_every == 0 or "eval_loss" in row or step == train.max_steps:
                     self.metrics.log(row)
                 self.metrics.progress(step, {"loss": f"{row['loss']:.3f}", "tok/s": f"{tokens_per_s:,.0f}"})
+                measured = forecast.observe(row) if forecast is not None else None
+                if measured:
+                    self._say(measured)
                 if not row["skipped"] and not math.isfinite(row["loss"]):
                     raise ZayaError(f"step {step}: the loss is {row['loss']}; stopping (last checkpoint kept)")
                 due = step % self.config.checkpoint.every == 0 or step == train.max_steps

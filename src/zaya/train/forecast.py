@@ -1,0 +1,117 @@
+"""The plan beside the run: at startup the trainer prints what `zaya plan` predicts for this run's mesh and
+device (memory per GPU, step time, throughput), and after 20 steps the measured figures next to it, so that
+a wrong prediction is seen at once, and a right one can be trusted for the next launch.
+
+The device is the one the run trains on: a GPU of the device table by its name, or this machine measured by
+`zaya shapes` (its table for the run's precision); a CPU without a table gets the memory prediction only.
+The prediction never stops training: where it cannot be made, one line says why.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import torch
+
+from zaya.config import RunConfig
+from zaya.errors import ZayaError
+
+STEPS = 20  # measured steps before the comparison (the first is left out: it warms up)
+GB = 1e9
+
+
+class Forecast:
+    """The prediction for a run, and what the run measures against it."""
+
+    def __init__(self, plan, phase: int, note: str = "", on_cpu: bool = False) -> None:
+        self.plan, self.phase, self.note, self.on_cpu = plan, phase, note, on_cpu
+        self.rows: list[dict] = []
+        self.done = False
+
+    @classmethod
+    def start(cls, config: RunConfig, world_size: int, device: torch.device, phase: int) -> tuple[Forecast | None,
+                                                                                               str]:
+        """(the forecast, the startup message) for a run of `config` on `world_size` ranks of `device`."""
+        try:
+            spec, table, note = _target(config, device)
+            from zaya.plan.planner import plan_run
+
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            plan = plan_run(config, world_size, spec, table, min(per_node, world_size))
+        except ZayaError as exc:
+            return None, f"plan: no prediction ({exc})"
+        forecast = cls(plan, phase, note, device.type == "cpu")
+        return forecast, forecast.startup()
+
+    def _phase(self):
+        return self.plan.phases[min(self.phase, len(self.plan.phases) - 1)]
+
+    def startup(self) -> str:
+        phase = self._phase()
+        memory = phase.memory
+        text = (f"plan ({self.plan.device.name}): {memory.total / GB:.2f} GB per GPU (state "
+                f"{(memory.parameters + memory.gradients + memory.optimizer_state) / GB:.2f}, activations "
+                f"{memory.activations / GB:.2f}, buffers {memory.communication_buffers / GB:.2f}) of "
+                f"{self.plan.device.memory_bytes / GB:.0f} GB")
+        if self.note and not self.note.startswith(" "):
+            return f"{text}; {self.note}"
+        tokens = phase.batch_tokens / phase.time.total / phase.layout.gpus
+        return (f"{text}; step {phase.time.total:.3f} s{self.note}, {tokens:,.0f} tokens/s per GPU, "
+                f"{phase.traffic.total / GB:.3f} GB sent per GPU per step; phase '{phase.name}' {phase.hours:.1f} h")
+
+    def observe(self, row: dict) -> str | None:
+        """Take one step's metrics row; after `STEPS` full-batch steps, the comparison (once)."""
+        if self.done:
+            return None
+        phase = self._phase()
+        if row.get("batch_size", 0) * phase.seq_len != phase.batch_tokens or row.get("phase") != phase.name:
+            return None  # a ramp step, or another phase: not what was predicted
+        self.rows.append(row)
+        if len(self.rows) < STEPS + 1:
+            return None
+        self.done = True
+        return self.compare()
+
+    def compare(self) -> str:
+        phase = self._phase()
+        rows = self.rows[1:]
+        seconds = statistics.median(r["step_time"] for r in rows)
+        memory = max(max(r["peak_memory_bytes"]) for r in rows)
+        sent = statistics.median(max(r["comm_bytes"]) for r in rows)
+        tokens = phase.batch_tokens / seconds / phase.layout.gpus
+        where = " (the process's resident set: the interpreter and torch included)" if self.on_cpu else ""
+        text = (f"measured over steps {rows[0]['step']}-{rows[-1]['step']} against the plan: peak memory "
+                f"{memory / GB:.2f} GB{where} (plan {phase.memory.total / GB:.2f}); sent {sent / GB:.3f} GB per step "
+                f"(plan {phase.traffic.total / GB:.3f})")
+        if not self.note or self.note.startswith(" "):
+            text += (f"; step {seconds:.3f} s (plan {phase.time.total:.3f}, {phase.time.total / seconds - 1:+.0%}), "
+                     f"{tokens:,.0f} tokens/s per GPU")
+        return text
+
+
+def _target(config: RunConfig, device: torch.device):
+    """(DeviceSpec, measured table or None, note) for the device the run trains on."""
+    from zaya.device import device_label
+    from zaya.plan.devices import DeviceSpec, get_device, match_device
+    from zaya.plan.shapes import EfficiencyTable, default_table_path
+
+    dtype = "bf16" if config.train.precision == "bf16" else "fp32"
+    path = default_table_path(dtype)
+    if path.is_file():
+        table = EfficiencyTable.load(path)
+        if table.device.split(":")[0] == device.type:
+            ns = "bf16" if config.optim.ns_dtype in ("bfloat16", "bf16") else "fp32"
+            caveat = "" if ns == table.dtype else \
+                f" (its Newton-Schulz in {ns} is scaled from the {ns} peak: the table measured {table.dtype} GEMMs)"
+            return get_device("local", table), table, caveat
+    if device.type == "cuda":
+        spec = match_device(device_label(device))
+        if spec is not None:
+            return spec, None, ""
+    from zaya.device import device_memory_bytes
+
+    # no figures for this device: memory alone (its size is known), no time
+    spec = DeviceSpec("local", device_label(device), {"bf16": 1.0, "fp32": 1.0}, device_memory_bytes(device), 1.0,
+                      1.0, 1.0, 1, 1.0, ())
+    return spec, None, f"no step-time prediction: `zaya shapes --dtype {dtype}` measures this device"
