@@ -245,3 +245,10 @@ def visible_devices_env(indices: list[int]) -> dict[str, str]:
     """The environment that shows processes exactly the GPUs `indices` (physical numbering)."""
     value = ",".join(str(i) for i in indices)
     return {name: value for name in VISIBLE_DEVICE_VARIABLES}
+
+
+def launches_overlap_compute(device_type: str) -> bool:
+    """Whether the host's cost of issuing an operator overlaps the device's execution of the previous ones:
+    on accelerators kernels are queued asynchronously, so dispatch costs time only where it outruns the
+    kernels; on a CPU the same threads dispatch and compute, so it adds up."""
+    return device_type != "cpu"

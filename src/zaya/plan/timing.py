@@ -6,7 +6,8 @@ and the collectives it waits for.
                                                                               Newton-Schulz)
               + attention FLOPs / attention rate                             (causal: T (T + 1) / 2 pairs)
               + elementwise bytes / memory bandwidth
-              + operators x the cost of launching one
+              + operators x the cost of issuing one     (on accelerators: only what outruns the
+                                                                              kernels, which run asynchronously)
     step      = compute + exposed communication
 
 Rates come from a measured table (`zaya shapes`, the `local` device) or, for a published device, a roofline:
@@ -34,6 +35,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from zaya.device import launches_overlap_compute
 from zaya.model.config import ZayaConfig
 from zaya.plan.layout import Layout
 from zaya.plan.memory import GPU_DETAILS, DeviceDetails, activation_bytes
@@ -271,7 +273,10 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     time.elementwise = micro_batches * (seconds + fsdp_copy_bytes(c, layout, precision) / rates.memory_bandwidth)
     per_block, outside = ops_per_block(c)
     recompute_ops = {"none": 0.0, "moe": 0.25, "full": 0.5}[mode] * per_block * L
-    time.overhead = micro_batches * (per_block * L + outside + recompute_ops) * rates.op_overhead_s
+    dispatch = micro_batches * (per_block * L + outside + recompute_ops) * rates.op_overhead_s
+    if launches_overlap_compute(getattr(rates, "device", "cuda").split(":")[0]):
+        dispatch = max(0.0, dispatch - (time.gemm + time.attention + time.elementwise))
+    time.overhead = dispatch
     time.optimizer = optimizer_seconds(c, rates, layout, ns_dtype, ns_steps,
                                        getattr(rates, "optimizer_factor", 0.0) or 1.0)
     time.comm_by_dimension = {dim: 0.0 for dim in set(DIMENSION.values())}
