@@ -41,6 +41,8 @@ class Forecast:
             plan = plan_run(config, world_size, spec, table, min(per_node, world_size))
         except ZayaError as exc:
             return None, f"plan: no prediction ({exc})"
+        except Exception as exc:  # a prediction must never stop a run: a bug in it is reported, not raised
+            return None, f"plan: no prediction ({type(exc).__name__}: {exc})"
         forecast = cls(plan, phase, note, device.type == "cpu")
         return forecast, forecast.startup()
 
