@@ -1,0 +1,314 @@
+"""The efficiency table: the GEMM and attention rates `zaya shapes` measured on one device in one dtype,
+with the device figures its interpolation needs, kept as JSON (`~/.cache/zaya/shapes/local-<dtype>.json`
+unless `$ZAYA_CACHE` or `$XDG_CACHE_HOME` say otherwise) and read by `zaya plan --device local`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from zaya.errors import ZayaError
+
+FORMAT = "zaya-gemm-table"
+FORMAT_VERSION = 1
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OPS = ("dense", "grouped", "attention")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"fp32", "bf16" or "fp16" for a torch dtype."""
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ZayaError(f"no GEMM table for dtype {dtype} (known: {', '.join(DTYPES)})")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ZayaError(f"unknown dtype '{name}' (known: {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def cache_dir() -> Path:
+    """$ZAYA_CACHE, else $XDG_CACHE_HOME/zaya, else ~/.cache/zaya."""
+    if os.environ.get("ZAYA_CACHE"):
+        return Path(os.environ["ZAYA_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "zaya"
+
+
+def default_table_path(dtype: str) -> Path:
+    """Where `zaya shapes` writes the local device's table for `dtype`, and where the planner looks for it."""
+    return cache_dir() / "shapes" / f"local-{dtype}.json"
+
+
+
+def _element_size(dtype: str) -> int:
+    return torch_dtype(dtype).itemsize
+
+
+def gemm_flops(op: str, m: int, n: int, k: int, groups: int = 1, batch: int = 1) -> float:
+    """FLOPs of one call: 2 m n k for a (grouped) GEMM; for attention (m = T, n = d, k = query heads) forward
+    4 Hq d T (T + 1) / 2 per sequence and backward twice that, as in `zaya.model.flops`."""
+    if op == "attention":
+        return 3.0 * 4 * k * n * m * (m + 1) / 2 * batch
+    return 2.0 * m * n * k
+
+
+def gemm_bytes(op: str, m: int, n: int, k: int, groups: int, element_size: int, batch: int = 1) -> float:
+    """Bytes one call must move at least: its operands and result (attention: q, k, v, out and their
+    gradients, forward + backward)."""
+    if op == "attention":
+        return float(element_size) * batch * m * n * 6 * (k + groups)
+    weights = groups * k * n if op == "grouped" else k * n
+    return float(element_size) * (m * k + weights + m * n)
+
+
+
+# ---- the table ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GemmRecord:
+    """One measured shape (see `GemmShape` for what m, n, k and groups mean per op)."""
+
+    op: str
+    m: int
+    n: int
+    k: int
+    groups: int
+    dtype: str
+    seconds: float  # median time of one call (attention: forward + backward)
+    flops: float  # FLOPs of one call
+    kind: str = ""  # the model's name for it ("attn_in", ...); informative only
+
+    @property
+    def rate(self) -> float:
+        """FLOP/s."""
+        return self.flops / self.seconds if self.seconds > 0 else 0.0
+
+    def key(self) -> tuple:
+        return (self.op, self.m, self.n, self.k, self.groups, self.dtype)
+
+
+_NEIGHBOURS = 4
+
+
+@dataclass
+class EfficiencyTable:
+    """Measured GEMM rates of one device in one dtype, and the device figures the interpolation needs.
+
+    `gemm_rate` (and `attention_rate`) interpolate between the measurements like this, deterministically:
+    1. an exact match (op, m, n, k, groups, dtype) returns its measured rate;
+    2. otherwise every measured shape of the same op and dtype gets its roofline efficiency
+       r = t_roof / t_measured, where t_roof = max(FLOPs / peak, bytes / memory_bandwidth) + op_overhead_s
+       (attention: per sequence, without the overhead), so that r carries what the roofline does not
+       explain (tile quantisation, misalignment, kernel choice);
+    3. log r is averaged over the 4 measured shapes nearest in log2 space (coordinates: dense (m, n, k);
+       grouped (m / groups, n, k, groups); attention (T, d, Hq, Hk)) with inverse-square-distance weights;
+    4. the rate is r x FLOPs / t_roof of the queried shape, capped at the larger of the measured peak and
+       the best neighbour.
+    So a shape between measured ones gets an efficiency between theirs, and a shape far smaller than any
+    measured falls off with its arithmetic intensity and the per-op overhead instead of keeping a large
+    GEMM's rate. Without measurements of the op in that dtype, the other GEMM op's (or, last, the median of
+    all) efficiencies stand in. Results are cached per query.
+    """
+
+    device: str  # torch device it was measured on ("cpu", "cuda")
+    device_label: str  # CPU model name or GPU name
+    dtype: str  # "fp32", "bf16"
+    peak_flops: float  # measured practical peak in `dtype` (large square matmuls)
+    memory_bandwidth: float  # measured bytes/s of a large elementwise op
+    op_overhead_s: float  # measured seconds per tiny op dispatch
+    records: list[GemmRecord]
+    preset: str
+    measured_at: str  # ISO date-time
+    torch_version: str
+    peaks: dict[str, float] = field(default_factory=dict)  # measured peaks by dtype, `dtype` and fp32 included
+    memory_bytes: int = 0  # device memory (host RAM for the CPU)
+    tokens: list[int] = field(default_factory=list)  # micro-batch token counts the sweep used
+    seq_lens: list[int] = field(default_factory=list)  # sequence lengths of its attention shapes
+    skipped: dict[str, int] = field(default_factory=dict)  # shapes not measured, by reason
+    # the model's elementwise work against the bytes model, measured by running it (`zaya.plan.calibrate`);
+    # 0: not measured (the bytes model as it is)
+    elementwise_factor: float = 0.0
+    optimizer_factor: float = 0.0
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    # ---- queries ----------------------------------------------------------------------------------
+
+    def peak(self, dtype: str | None = None) -> float:
+        dtype = dtype or self.dtype
+        if dtype == self.dtype:
+            return self.peak_flops
+        return self.peaks.get(dtype, self.peak_flops)
+
+    def gemm_rate(self, op: str, m: int, n: int, k: int, groups: int = 1, dtype: str | None = None) -> float:
+        """FLOP/s of one GEMM of this shape (see the class docstring for the interpolation); `dtype`
+        defaults to the table's (the router's GEMMs are measured in fp32 in every table)."""
+        if op not in ("dense", "grouped"):
+            raise ZayaError(f"unknown GEMM op '{op}' (known: dense, grouped; attention: attention_rate)")
+        return self._rate(op, int(m), int(n), int(k), int(groups), dtype or self.dtype)
+
+    def attention_rate(self, seq_len: int, head_dim: int, heads: int, kv_heads: int,
+                       dtype: str | None = None) -> float:
+        """FLOP/s of causal attention, forward + backward (FLOPs as in `zaya.model.flops`)."""
+        return self._rate("attention", int(seq_len), int(head_dim), int(heads), int(kv_heads), dtype or self.dtype)
+
+    def efficiency(self, op: str, m: int, n: int, k: int, groups: int = 1, dtype: str | None = None) -> float:
+        """`gemm_rate` as a fraction of the measured peak of its dtype."""
+        return self.gemm_rate(op, m, n, k, groups, dtype) / self.peak(dtype)
+
+    def gemm_seconds(self, op: str, m: int, n: int, k: int, groups: int = 1, dtype: str | None = None) -> float:
+        """Predicted seconds of one call."""
+        return gemm_flops(op, m, n, k, groups) / self.gemm_rate(op, m, n, k, groups, dtype)
+
+    def record(self, op: str, m: int, n: int, k: int, groups: int = 1, dtype: str | None = None) -> GemmRecord | None:
+        """The measurement of exactly this shape, if there is one."""
+        return self._exact().get((op, m, n, k, groups, dtype or self.dtype))
+
+    # ---- interpolation ----------------------------------------------------------------------------
+
+    def _exact(self) -> dict[tuple, GemmRecord]:
+        if "exact" not in self._index:
+            self._index["exact"] = {r.key(): r for r in self.records}
+        return self._index["exact"]
+
+    def _roof_seconds(self, op: str, m: int, n: int, k: int, groups: int, dtype: str) -> float:
+        flops = gemm_flops(op, m, n, k, groups)
+        moved = gemm_bytes(op, m, n, k, groups, _element_size(dtype))
+        roof = max(flops / self.peak(dtype), moved / self.memory_bandwidth if self.memory_bandwidth > 0 else 0.0)
+        return roof if op == "attention" else roof + self.op_overhead_s
+
+    @staticmethod
+    def _coords(op: str, m: int, n: int, k: int, groups: int) -> tuple[float, ...]:
+        if op == "grouped":
+            return (math.log2(max(m / groups, 1e-3)), math.log2(n), math.log2(k), math.log2(groups))
+        if op == "attention":
+            return (math.log2(m), math.log2(n), math.log2(k), math.log2(groups))
+        return (math.log2(m), math.log2(n), math.log2(k))
+
+    def _points(self, op: str, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(coordinates [P, C], log r [P], rate [P]) of the measurements of `op` in `dtype`."""
+        key = ("points", op, dtype)
+        if key not in self._index:
+            coords, log_r, rates = [], [], []
+            for r in self.records:
+                if r.op != op or r.dtype != dtype or r.seconds <= 0:
+                    continue
+                roof = self._roof_seconds(op, r.m, r.n, r.k, r.groups, dtype)
+                if op == "attention":  # the roofline is per sequence: a call holds flops / flops-per-sequence
+                    roof *= r.flops / gemm_flops(op, r.m, r.n, r.k, r.groups)
+                coords.append(self._coords(op, r.m, r.n, r.k, r.groups))
+                log_r.append(math.log(roof / r.seconds))
+                rates.append(r.rate)
+            width = 3 if op == "dense" else 4
+            self._index[key] = (np.array(coords, dtype=np.float64).reshape(-1, width), np.array(log_r),
+                                np.array(rates))
+        return self._index[key]
+
+    def _rate(self, op: str, m: int, n: int, k: int, groups: int, dtype: str) -> float:
+        key = (op, m, n, k, groups, dtype)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        if min(m, n, k, groups) <= 0:
+            raise ZayaError(f"a {op} shape needs positive sizes, got m={m} n={n} k={k} groups={groups}")
+        exact = self._exact().get(key)
+        rate = exact.rate if exact is not None and exact.seconds > 0 else self._interpolate(op, m, n, k, groups, dtype)
+        self._cache[key] = rate
+        return rate
+
+    def _interpolate(self, op: str, m: int, n: int, k: int, groups: int, dtype: str) -> float:
+        coords, log_rs, rates = self._points(op, dtype)
+        query = np.array(self._coords(op, m, n, k, groups))
+        if not len(rates) and op != "attention":  # the other GEMM op's efficiencies, with this op's roofline
+            coords, log_rs, rates = self._points("grouped" if op == "dense" else "dense", dtype)
+            coords, query = coords[:, :3], query[:3]
+        roof = self._roof_seconds(op, m, n, k, groups, dtype)
+        flops = gemm_flops(op, m, n, k, groups)
+        if not len(rates):
+            every = np.concatenate([self._points(o, d)[1] for o in OPS for d in sorted({dtype, self.dtype})])
+            log_r = float(np.median(every)) if len(every) else 0.0
+            return min(math.exp(log_r) * flops / roof, self.peak(dtype))
+        distance = ((coords - query) ** 2).sum(axis=1)
+        nearest = np.argsort(distance, kind="stable")[:_NEIGHBOURS]
+        d, near_log_r = distance[nearest], log_rs[nearest]
+        same = d == 0.0  # the same coordinates (a grouped shape of the same rows per group): those alone
+        weights = same.astype(np.float64) if same.any() else 1.0 / d
+        log_r = float((weights * near_log_r).sum() / weights.sum())
+        cap = max(self.peak(dtype), float(rates[nearest].max()))
+        return min(math.exp(log_r) * flops / roof, cap)
+
+    # ---- files ------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        data["records"] = [dataclasses.asdict(r) for r in self.records]
+        return {"format": FORMAT, "version": FORMAT_VERSION, **data}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the table as JSON, atomically (a temporary file, then a rename), parents created."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with tmp.open("w", encoding="utf-8") as handle:
+                json.dump(self.to_dict(), handle, indent=1)
+                handle.write("\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "GEMM table") -> EfficiencyTable:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ZayaError(f"{source}: not a zaya GEMM table (written by `zaya shapes`)")
+        if data.get("version") != FORMAT_VERSION:
+            raise ZayaError(f"{source}: GEMM table format version {data.get('version')!r}, this zaya reads "
+                            f"version {FORMAT_VERSION}: rerun `zaya shapes`")
+        names = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        fields = {key: value for key, value in data.items() if key in names}
+        try:
+            fields["records"] = [GemmRecord(**record) for record in data["records"]]
+            table = cls(**fields)
+            table.peak_flops, table.memory_bandwidth = float(table.peak_flops), float(table.memory_bandwidth)
+            table.op_overhead_s = float(table.op_overhead_s)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ZayaError(f"{source}: malformed GEMM table ({type(exc).__name__}: {exc})") from None
+        for r in table.records:
+            if r.op not in OPS or r.dtype not in DTYPES or min(r.m, r.n, r.k, r.groups) <= 0:
+                raise ZayaError(f"{source}: malformed GEMM record {dataclasses.asdict(r)}")
+        if table.dtype not in DTYPES or not table.peak_flops > 0 or not table.memory_bandwidth > 0:
+            raise ZayaError(f"{source}: malformed GEMM table (dtype, peak_flops or memory_bandwidth)")
+        return table
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> EfficiencyTable:
+        """Read a table `save` wrote; a missing, garbled or outdated file raises `ZayaError` naming it."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ZayaError(f"{path}: no such GEMM table: run `zaya shapes` first") from None
+        except OSError as exc:
+            raise ZayaError(f"{path}: cannot read the GEMM table ({exc.strerror})") from None
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ZayaError(f"{path}: not valid JSON ({exc}): rerun `zaya shapes`") from None
+        return cls.from_dict(data, source=str(path))
+
+
