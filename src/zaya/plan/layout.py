@@ -31,10 +31,6 @@ class Layout:
         """Ranks that read different data."""
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def nodes(self) -> int:
-        return -(-self.gpus // self.gpus_per_node)
-
     def spans_nodes(self, group_size: int, stride: int) -> bool:
         """Whether some group of `group_size` ranks spaced `stride` apart (the mesh dimension of that stride)
         has members on different nodes, so that its collectives cross the network."""

@@ -8,7 +8,6 @@ it. Micro-batches are the divisors of a rank's share of the batch, up to 16 sequ
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from zaya.config import RunConfig
@@ -108,13 +107,3 @@ def describe(candidate: Candidate) -> str:
     layout = candidate.layout
     return (f"dp_replicate {layout.dp_replicate:>3} x dp_shard {layout.dp_shard:>4} x cp {layout.cp:>2}, "
             f"micro-batch {layout.micro_batch_size:>2}, checkpointing {layout.activation_checkpointing:<4}")
-
-
-def with_layout(config: RunConfig, layout: Layout) -> RunConfig:
-    """`config` with `layout`'s mesh, micro-batch and checkpointing (what `--set` would write)."""
-    config = dataclasses.replace(config)
-    config.parallel = dataclasses.replace(config.parallel, dp_replicate=layout.dp_replicate,
-                                          dp_shard=layout.dp_shard, cp=layout.cp)
-    config.train = dataclasses.replace(config.train, micro_batch_size=layout.micro_batch_size,
-                                       activation_checkpointing=layout.activation_checkpointing)
-    return config
