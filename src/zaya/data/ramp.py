@@ -67,6 +67,14 @@ class BatchRamp:
                 raise ZayaError(f"batch ramp: batch size {size} is not divisible by {divisor} ({what})")
 
 
+def ramp_for(start: int, increment: int, final: int, ramp_samples: int) -> BatchRamp:
+    """The ramp a run config asks for (`data.ramp_*`, `train.global_batch_size`): none when `ramp_samples`
+    is 0 or the ramp starts at 0 or at the final size."""
+    if ramp_samples == 0 or start in (0, final):
+        return BatchRamp(final, 0, final, 0)
+    return BatchRamp(start, increment, final, ramp_samples)
+
+
 def batch_size_at(consumed_samples: int, start: int, increment: int, final: int, ramp_samples: int) -> int:
     """The global batch size after `consumed_samples` samples, under Megatron's ramp rule."""
     return BatchRamp(start, increment, final, ramp_samples).at(consumed_samples)

@@ -12,12 +12,13 @@ Convention (written out because every project picks its own):
 from __future__ import annotations
 
 from zaya.model.config import ZayaConfig
-from zaya.model.params import parameter_report
+from zaya.model.params import ParameterReport, parameter_report
 
 
-def matmul_params_per_token(config: ZayaConfig) -> int:
-    """Parameters one token multiplies with: active non-embedding plus the LM head."""
-    report = parameter_report(config)
+def matmul_params_per_token(config: ZayaConfig, report: ParameterReport | None = None) -> int:
+    """Parameters one token multiplies with: active non-embedding plus the LM head (`report`: the config's
+    parameter report, if the caller has it: counting builds the model on the meta device)."""
+    report = report or parameter_report(config)
     return report.active_non_embedding + config.vocab_size * config.hidden_size
 
 
@@ -27,9 +28,9 @@ def attention_flops_per_token(config: ZayaConfig, seq_len: int) -> float:
     return 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * attended
 
 
-def training_flops_per_token(config: ZayaConfig, seq_len: int) -> float:
+def training_flops_per_token(config: ZayaConfig, seq_len: int, report: ParameterReport | None = None) -> float:
     """Forward + backward FLOPs per token."""
-    return 6 * matmul_params_per_token(config) + 3 * attention_flops_per_token(config, seq_len)
+    return 6 * matmul_params_per_token(config, report) + 3 * attention_flops_per_token(config, seq_len)
 
 
 def forward_flops_per_token(config: ZayaConfig, seq_len: int) -> float:

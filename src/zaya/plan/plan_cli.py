@@ -84,7 +84,7 @@ def format_plan(plan) -> str:
     for phase in plan.phases:
         lines.append(f"{phase.name:<16}{phase.seq_len:>8}{phase.cp:>4}{phase.steps:>12,}{phase.tokens:>18,}"
                      f"{phase.time.total:>10.3f}{phase.hours:>10.1f}")
-    hours = data["hours"]
+    hours = plan.hours
     lines.append(f"{'run':<16}{'':>24}{sum(p.tokens for p in plan.phases):>18,}{'':>10}{hours:>10.1f} "
                  f"({hours / 24:.1f} days)")
     return "\n".join(lines)

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from zaya.config import RunConfig
-from zaya.data.ramp import BatchRamp
+from zaya.data.ramp import BatchRamp, ramp_for
 from zaya.device import grouped_mm_row_multiple, loss_chunk_logits
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
-from zaya.model.flops import attention_flops_per_token
+from zaya.model.flops import training_flops_per_token
 from zaya.model.params import ParameterReport, parameter_report
 from zaya.parallel.context import SequenceLayout
 from zaya.plan.devices import DeviceSpec
@@ -95,6 +95,10 @@ class Plan:
         return phase.batch_tokens / phase.time.total / phase.layout.gpus
 
     @property
+    def hours(self) -> float:
+        return sum(phase.hours for phase in self.phases)
+
+    @property
     def mfu(self) -> float:
         return self.tokens_per_s_per_gpu * self.flops_per_token / self.peak_flops
 
@@ -122,7 +126,7 @@ class Plan:
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu,
             "phases": [phase.to_dict() for phase in self.phases],
-            "hours": sum(phase.hours for phase in self.phases),
+            "hours": self.hours,
             "problems": list(self.problems),
         }
 
@@ -134,12 +138,6 @@ def _parameter_report(config: ZayaConfig) -> ParameterReport:
 @functools.lru_cache(maxsize=16)
 def _cached_report(key: str) -> ParameterReport:
     return parameter_report(ZayaConfig(**json.loads(key)))
-
-
-def _flops_per_token(config: ZayaConfig, seq_len: int) -> float:
-    """`zaya.model.flops.training_flops_per_token`, from the cached parameter count."""
-    matmul = _parameter_report(config).active_non_embedding + config.vocab_size * config.hidden_size
-    return 6 * matmul + 3 * attention_flops_per_token(config, seq_len)
 
 
 def device_details(device: DeviceSpec, table_device: str | None, precision: str) -> DeviceDetails:
@@ -174,7 +172,6 @@ def bandwidths_for(layout: Layout, device: DeviceSpec) -> dict[str, float]:
     spans = {"cp": layout.spans_nodes(C, 1), "dp_shard_cp": layout.spans_nodes(S * C, 1),
              "dp_replicate": layout.spans_nodes(layout.dp_replicate, S * C),
              "world": layout.gpus > layout.gpus_per_node}
-    # a local (measured) device has no links to measure: its collectives are the host's memory copies
     return {dim: (inter if crosses else intra) for dim, crosses in spans.items()}
 
 
@@ -205,10 +202,8 @@ def plan_phase(config: RunConfig, layout: Layout, seq_len: int, device: DeviceSp
 
 def ramp_of(config: RunConfig) -> BatchRamp:
     """The trainer's batch ramp (`Trainer.ramp`)."""
-    data, final = config.data, config.train.global_batch_size
-    if data.ramp_samples == 0 or data.ramp_start in (0, final):
-        return BatchRamp(final, 0, final, 0)
-    return BatchRamp(data.ramp_start, data.ramp_increment, final, data.ramp_samples)
+    data = config.data
+    return ramp_for(data.ramp_start, data.ramp_increment, config.train.global_batch_size, data.ramp_samples)
 
 
 def schedule(config: RunConfig) -> list[list[tuple[int, int]]]:
@@ -293,5 +288,5 @@ def plan_run(config: RunConfig, gpus: int, device: DeviceSpec, table=None, gpus_
     if table is not None:
         peak = table.peak(precision)
     return Plan(config.source, device, precision, _parameter_report(model),
-                _flops_per_token(model, phases[0].seq_len), phases, peak,
+                training_flops_per_token(model, phases[0].seq_len, _parameter_report(model)), phases, peak,
                 bandwidths_for(phases[0].layout, device), problems)

@@ -29,7 +29,7 @@ class Candidate:
 
     @property
     def hours(self) -> float:
-        return self.plan.to_dict()["hours"] if self.plan is not None else float("inf")
+        return self.plan.hours if self.plan is not None else float("inf")
 
 
 def _divisors(n: int) -> list[int]:

@@ -91,11 +91,11 @@ def cp_traffic(config: ZayaConfig, layout: Layout, seq_len: int, kernel: str, sh
     # each segment's tail that a segment on another rank needs, forward and backward, averaged over ranks
     sent_tails = sum(sum(split for rank2, split in enumerate(_halo_plan(seq, rank).send_splits) if rank2 != rank)
                      for rank in range(cp)) / cp
-    per_layer_halo = 2 * sent_tails * layout.micro_batch_size * halo_vector
+    halo = sent_tails * layout.micro_batch_size * halo_vector  # one direction, one layer
     kv_shard = 2 * c.num_key_value_heads * c.head_dim * local * layout.micro_batch_size * FP32
     forward_passes = 2 if layout.activation_checkpointing == "full" else 1
     layers = c.num_hidden_layers * micro_batches
-    traffic.add("cp_halo", layers * per_layer_halo * (forward_passes + 1) / 2)
+    traffic.add("cp_halo", layers * halo * (forward_passes + 1))  # each forward, and backward's mirror
     traffic.add("cp_kv", layers * (forward_passes + 1) * (cp - 1) * kv_shard)
     if kernel == "allgather":
         traffic.add("cp_dkv", layers * kv_shard * (cp - 1))  # an all-to-all of cp - 1 shards of gradients

@@ -38,7 +38,7 @@ import torch
 
 from zaya.config import RunConfig
 from zaya.data.loader import TokenLoader
-from zaya.data.ramp import BatchRamp
+from zaya.data.ramp import BatchRamp, ramp_for
 from zaya.data.shards import open_dataset
 from zaya.device import (
     peak_flops,
@@ -149,10 +149,9 @@ class Trainer(TrainingSignals, TrainingPhases):
                     )
 
     def ramp(self) -> BatchRamp:
-        data, final = self.config.data, self.config.train.global_batch_size
-        if data.ramp_samples == 0 or data.ramp_start in (0, final):
-            return BatchRamp(final, 0, final, 0)
-        return BatchRamp(data.ramp_start, data.ramp_increment, final, data.ramp_samples)
+        data = self.config.data
+        return ramp_for(data.ramp_start, data.ramp_increment, self.config.train.global_batch_size,
+                        data.ramp_samples)
 
     # ---- setup ------------------------------------------------------------------------------------------
 
