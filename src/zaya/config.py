@@ -7,7 +7,7 @@
     [schedule]   the learning-rate schedule of the whole run
     [balance]    the balancing-bias controller
     [checkpoint] dir, every, keep, async_save
-    [logging]    log_every, tensorboard, progress
+    [logging]    log_every, tensorboard, progress, Weights & Biases
     [parallel]   the device mesh (dp_replicate, dp_shard, cp), backend, timeouts (zaya.parallel.mesh)
     [[phases]]   optional: name, tokens, sources, seq_len, lr_scale, rope_theta, cp
 
@@ -35,6 +35,8 @@ from zaya.parallel.mesh import ParallelConfig
 
 # keys that moved: a config that still uses one is told where it went
 MOVED_KEYS = {"train.collective_timeout_s": "parallel.timeout_s"}
+PRECISIONS = ("bf16", "fp32", "auto")
+WANDB_MODES = ("", "online", "offline", "disabled")
 
 
 @dataclass
@@ -80,7 +82,9 @@ class TrainSection:
     max_steps: int = 100
     micro_batch_size: int = 8
     global_batch_size: int = 8  # sequences per optimizer step once any ramp is over
-    precision: str = "bf16"  # "bf16" (autocast, fp32 master weights) or "fp32"
+    # "bf16" (autocast, fp32 master weights), "fp32", or "auto": bf16 on accelerators and on CPUs whose bf16
+    # matmuls are fast (measured at start), fp32 on the CPUs that emulate bf16 (~100x slower there)
+    precision: str = "bf16"
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     eval_every: int = 50  # steps between held-out evaluations; 0 disables
     eval_batches: int = 8
@@ -91,6 +95,13 @@ class TrainSection:
     # recompute activations in backward instead of keeping them: "none", "full" (every block keeps only its
     # input) or "moe" (the MoE sublayers, whose expert activations are the largest)
     activation_checkpointing: str = "none"
+    # a wall-clock limit on this process (a scheduler's, minus a margin): before it, the run writes a checkpoint
+    # and exits with code 75 (EXIT_PREEMPTED) so that the resubmitted job resumes; 0: none
+    max_time_s: float = 0.0
+    # train for this much time in all (summed over resumes) instead of to max_steps, which stays a cap: the
+    # wsd decay begins when the budget's last `schedule.decay_fraction` begins, spans the remaining time at
+    # the measured step rate, and the run ends with it; 0: none
+    time_budget_s: float = 0.0
 
 
 @dataclass
@@ -121,6 +132,12 @@ class LoggingSection:
     progress: bool = True
     # append each step's global sample positions to RUN_DIR/samples.jsonl: a record of what was trained on
     record_samples: bool = False
+    # Weights & Biases (the optional `wandb` extra): config and metrics as they are logged, the report's plots at
+    # the end; a resumed run continues the same W&B run
+    wandb: bool = False
+    wandb_project: str = "zaya"
+    wandb_name: str = ""  # default: the run directory's name
+    wandb_mode: str = ""  # "online", "offline" or "disabled"; default: WANDB_MODE, else online
 
 
 @dataclass
@@ -293,9 +310,18 @@ def _validate(config: RunConfig) -> None:
         raise ZayaError(f"{config.source}: key 'train.activation_checkpointing' must be one of "
                         f"{', '.join(ACTIVATION_CHECKPOINTING)}, got {train.activation_checkpointing!r}")
     config.parallel.validate(config.source)
-    if train.precision not in ("bf16", "fp32"):
-        raise ZayaError(f"{config.source}: key 'train.precision' must be 'bf16' or 'fp32', got {train.precision!r}")
-    if train.compile and train.precision != "bf16":
+    if train.precision not in PRECISIONS:
+        raise ZayaError(f"{config.source}: key 'train.precision' must be one of {', '.join(PRECISIONS)}, "
+                        f"got {train.precision!r}")
+    _positive(config, "train.max_time_s", train.max_time_s, allow_zero=True)
+    _positive(config, "train.time_budget_s", train.time_budget_s, allow_zero=True)
+    if train.time_budget_s and config.schedule.kind != "wsd":
+        raise ZayaError(f"{config.source}: train.time_budget_s needs schedule.kind = 'wsd' (its decay is timed), "
+                        f"got {config.schedule.kind!r}")
+    if config.logging.wandb_mode not in WANDB_MODES:
+        raise ZayaError(f"{config.source}: key 'logging.wandb_mode' must be one of "
+                        f"{', '.join(repr(m) for m in WANDB_MODES)}, got {config.logging.wandb_mode!r}")
+    if train.compile and train.precision == "fp32":
         raise ZayaError(f"{config.source}: train.compile needs train.precision = 'bf16' (compiled grouped matmuls "
                         "take bf16 operands)")
     if train.global_batch_size % train.micro_batch_size:

@@ -188,6 +188,24 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     return measure_matmul_flops(device, dtype), "measured"
 
 
+def fast_bf16_matmul(device: torch.device) -> bool:
+    """Whether bf16 matmuls on `device` run at least half as fast as fp32 ones: always on an accelerator; on a
+    CPU measured (about 0.2 s), since only CPUs with native bf16 instructions (AVX-512 BF16, AMX) have them."""
+    if device.type == "cuda":
+        return True
+    bf16 = measure_matmul_flops(device, torch.bfloat16, size=512, seconds=0.05)
+    fp32 = measure_matmul_flops(device, torch.float32, size=512, seconds=0.05)
+    return bf16 >= 0.5 * fp32
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`train.precision` as the trainer runs it: "auto" becomes "bf16" where bf16 matmuls are fast
+    (`fast_bf16_matmul`), else "fp32"; "bf16" and "fp32" stay."""
+    if precision != "auto":
+        return precision
+    return "bf16" if fast_bf16_matmul(device) else "fp32"
+
+
 def default_gemm_dtype(device: torch.device) -> torch.dtype:
     """The dtype `zaya shapes` measures in by default: bf16 on an accelerator, fp32 on a CPU (CPUs without
     native bf16 instructions multiply bf16 ~100x slower than fp32: 1.1 against 122 GFLOP/s measured on a

@@ -116,6 +116,12 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
     if config_path is None:
         raise ZayaError("give a run config (zaya plan CONFIG), or --devices")
     config = load_config(config_path, list(overrides))
+    if config.train.precision == "auto":  # as the trainer would resolve it on the target
+        import torch
+
+        from zaya.device import resolve_precision
+
+        config.train.precision = resolve_precision("auto", torch.device("cpu")) if device_name == "local" else "bf16"
     device, table = load_target(device_name, config.train.precision, table_path)
     if gpus < 1:
         raise ZayaError(f"--gpus must be at least 1, got {gpus}")
