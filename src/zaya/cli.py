@@ -240,13 +240,23 @@ def convert(src: Path, dst: Path, layout: str) -> None:
               help="Where the run writes everything (default: runs/<config name>). Resumes if it holds a checkpoint.")
 @click.option("--allow-data-change", is_flag=True, help="Resume even though the data fingerprint changed.")
 @click.option("--print-param-groups", is_flag=True, help="Print the optimizer's parameter split and exit.")
+@click.option("--print-config", is_flag=True,
+              help="Print the resolved config (defaults and --set applied) as TOML and exit, writing nothing.")
 def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, allow_data_change: bool,
-          print_param_groups: bool) -> None:
+          print_param_groups: bool, print_config: bool) -> None:
     """Train (or resume training) a model from a TOML run config; under torchrun, one process per device."""
     from zaya.config import load_config
     from zaya.parallel.launch import Launch
 
     launch = Launch.from_env()
+    if print_config:
+        from zaya.config_toml import to_toml
+
+        config = load_config(config_path, list(overrides))
+        if launch.is_main:  # under torchrun every rank would print the same document
+            click.echo(f"# {json.dumps(str(config_path))} resolved: defaults and --set overrides applied")
+            click.echo(to_toml(config), nl=False)
+        return
     if print_param_groups:
         from zaya.model.transformer import Zaya
         from zaya.optim import describe_param_groups
