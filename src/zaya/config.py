@@ -41,7 +41,7 @@ WANDB_MODES = ("", "online", "offline", "disabled")
 
 @dataclass
 class ModelSection:
-    preset: str = "tiny"
+    preset: str = "tiny"  # the model's shape: a name in zaya.model.presets.PRESETS
     # Any ZayaConfig field, replacing the preset's value (e.g. temp_init, fp32_logits, rope_theta).
     overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -62,32 +62,32 @@ class ModelSection:
 class Source:
     """A dataset (a `zaya data build` output directory) and its weight in a mixture."""
 
-    path: str
-    weight: float = 1.0
+    path: str  # a dataset directory (a `zaya data build` output)
+    weight: float = 1.0  # its share of the phase's samples, relative to the other sources' weights
 
 
 @dataclass
 class DataSection:
     path: str = ""  # the default source; phases may name their own mixtures
-    seq_len: int = 512
+    seq_len: int = 512  # tokens per training sequence (a phase may set its own)
     # Batch-size ramp in sequences (Megatron's rule); ramp_samples = 0 means the full batch from the start.
-    ramp_start: int = 0
-    ramp_increment: int = 0
-    ramp_samples: int = 0
+    ramp_start: int = 0  # the global batch size the ramp starts at
+    ramp_increment: int = 0  # sequences added to the batch at each step of the ramp
+    ramp_samples: int = 0  # consumed sequences over which the batch grows to train.global_batch_size
 
 
 @dataclass
 class TrainSection:
-    seed: int = 0
-    max_steps: int = 100
-    micro_batch_size: int = 8
+    seed: int = 0  # seeds the model's initialisation and the data order
+    max_steps: int = 100  # optimizer steps to train for (and schedule.total_steps unless that is set)
+    micro_batch_size: int = 8  # sequences per rank per forward/backward; steps accumulate over them
     global_batch_size: int = 8  # sequences per optimizer step once any ramp is over
     # "bf16" (autocast, fp32 master weights), "fp32", or "auto": bf16 on accelerators and on CPUs whose bf16
     # matmuls are fast (measured at start), fp32 on the CPUs that emulate bf16 (~100x slower there)
     precision: str = "bf16"
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     eval_every: int = 50  # steps between held-out evaluations; 0 disables
-    eval_batches: int = 8
+    eval_batches: int = 8  # global batches of held-out windows in each evaluation
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     # torch.compile each block (fuses the elementwise work; costs a compilation at start, needs a C++
     # compiler on CPUs and Triton on GPUs)
@@ -108,34 +108,34 @@ class TrainSection:
 class BalanceSection:
     """The balancing-bias controller (spec section 5.3): PID on the per-layer expert load error."""
 
-    kp: float = 0.0
-    ki: float = 1e-3
-    kd: float = 0.0
+    kp: float = 0.0  # proportional gain on the load error
+    ki: float = 1e-3  # integral gain: the step of the accumulated error term
+    kd: float = 0.0  # derivative gain on the change of the error
     # "linear": the integral term adds ki * error (the PID form); "sign": adds ki * sign(error), which with
     # kp = kd = 0 is DeepSeek-V3's loss-free balancing.
     error: str = "linear"
-    enabled: bool = True
+    enabled: bool = True  # false: the balancing biases are never updated
 
 
 @dataclass
 class CheckpointSection:
     dir: str = ""  # default: RUN_DIR/checkpoints
-    every: int = 100
-    keep: int = 3
-    async_save: bool = False
+    every: int = 100  # steps between checkpoints; the last step is always saved
+    keep: int = 3  # the newest checkpoints kept; older ones are deleted
+    async_save: bool = False  # stage the tensors in memory and write them while training goes on
 
 
 @dataclass
 class LoggingSection:
-    log_every: int = 1
-    tensorboard: bool = True
-    progress: bool = True
+    log_every: int = 1  # steps between logged metric rows
+    tensorboard: bool = True  # write TensorBoard events to the run directory
+    progress: bool = True  # a progress bar on rank 0
     # append each step's global sample positions to RUN_DIR/samples.jsonl: a record of what was trained on
     record_samples: bool = False
     # Weights & Biases (the optional `wandb` extra): config and metrics as they are logged, the report's plots at
     # the end; a resumed run continues the same W&B run
     wandb: bool = False
-    wandb_project: str = "zaya"
+    wandb_project: str = "zaya"  # the W&B project
     wandb_name: str = ""  # default: the run directory's name
     wandb_mode: str = ""  # "online", "offline" or "disabled"; default: WANDB_MODE, else online
 
@@ -144,9 +144,9 @@ class LoggingSection:
 class Phase:
     """One stage of the curriculum; it ends once `tokens` tokens were trained in it (0: never)."""
 
-    name: str = "main"
-    tokens: int = 0
-    sources: list[Source] = field(default_factory=list)  # empty: [data.path]
+    name: str = "main"  # unique; names the phase in logs and checkpoints
+    tokens: int = 0  # tokens to train in this phase; 0: no limit (only the last phase)
+    sources: list[Source] = field(default_factory=list)  # the mixture ([[phases.sources]]); empty: [data.path]
     seq_len: int = 0  # 0: data.seq_len
     lr_scale: float = 1.0  # multiplies the schedule inside this phase
     rope_theta: float = 0.0  # 0: keep the model's

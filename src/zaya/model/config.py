@@ -20,22 +20,22 @@ SkipRoute = Literal["zero", "identity"]
 class ZayaConfig:
     """Shape of a ZAYA1-style model (native 40-block form: one CCGQA attention + one MoE sublayer per block)."""
 
-    vocab_size: int
-    hidden_size: int
+    vocab_size: int  # token ids 0 .. vocab_size - 1; rows of the tied embedding
+    hidden_size: int  # D, the width of the residual stream
     num_hidden_layers: int  # blocks; the legacy checkpoint layout has twice as many "layers"
     num_attention_heads: int  # query heads
-    num_key_value_heads: int
-    head_dim: int
+    num_key_value_heads: int  # key/value heads, each shared by a group of query heads
+    head_dim: int  # width of one attention head
     num_experts: int  # routed experts; the router emits one more logit for the skip route
     moe_intermediate_size: int  # F, the width of one SwiGLU expert
-    router_hidden_size: int
+    router_hidden_size: int  # R, the width of the router's down-projection and MLP
     cca_time0: int = 2  # kernel of the depthwise convolution
     cca_time1: int = 2  # kernel of the per-head grouped convolution
-    partial_rotary_factor: float = 0.5
-    rope_theta: float = 10_000.0
-    max_position_embeddings: int = 4096
-    rms_norm_eps: float = 1e-5
-    initializer_range: float = 0.02
+    partial_rotary_factor: float = 0.5  # share of head_dim that RoPE rotates
+    rope_theta: float = 10_000.0  # RoPE base
+    max_position_embeddings: int = 4096  # the longest sequence the model is meant for (exported with it)
+    rms_norm_eps: float = 1e-5  # epsilon of every RMSNorm
+    initializer_range: float = 0.02  # standard deviation of the matrices' normal initialisation
     # Key temperature at init. Public code uses 0, which zeroes every key at step 0 (spec section 8).
     temp_init: float = 0.0
     # What the skip (MoD) route outputs: "zero" as in the HF-native code, "identity" (gate * x) as in the
@@ -43,9 +43,9 @@ class ZayaConfig:
     skip_route: SkipRoute = "zero"
     # Compute the tied LM head in fp32 (`zaya_high_prec` of the public configs).
     fp32_logits: bool = True
-    pad_token_id: int = 0
-    bos_token_id: int = 2
-    eos_token_id: int = 1
+    pad_token_id: int = 0  # id of the padding token
+    bos_token_id: int = 2  # id of the beginning-of-sequence token
+    eos_token_id: int = 1  # id of the end-of-sequence token
 
     def __post_init__(self) -> None:
         self.validate()

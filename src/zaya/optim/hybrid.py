@@ -47,15 +47,15 @@ class OptimConfig:
 
     lr: float = 1e-3  # Muon's rate, and AdamW's unless adamw_lr is set
     weight_decay: float = 0.1  # decoupled; on the matrices (Muon's, the embedding, the convolutions)
-    adamw_lr: float | None = None
-    adamw_betas: tuple[float, float] = (0.9, 0.95)
-    adamw_eps: float = 1e-8
+    adamw_lr: float | None = None  # AdamW's rate; unset: lr
+    adamw_betas: tuple[float, float] = (0.9, 0.95)  # AdamW's (beta1, beta2)
+    adamw_eps: float = 1e-8  # AdamW's epsilon
     decay_vectors: bool = False  # also decay norms, biases, scales, EDA gammas and temperatures
     momentum: float = 0.95  # Muon's
-    nesterov: bool = True
-    ns_steps: int = NS_STEPS
-    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
-    ns_eps: float = NS_EPS
+    nesterov: bool = True  # Nesterov momentum in Muon
+    ns_steps: int = NS_STEPS  # Newton-Schulz iterations per Muon update
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS  # (a, b, c) of the quintic Newton-Schulz iteration
+    ns_eps: float = NS_EPS  # the iteration starts from U / max(||U||_F, ns_eps)
     ns_dtype: str = "bfloat16"  # precision of the Newton-Schulz iteration: "bfloat16" or "float32"
     ns_backend: str = "auto"  # "eager", "compiled" or "auto" (compiled on GPUs, eager on the CPU)
     adjust_lr_fn: str = "match_rms_adamw"  # or "original": sqrt(max(1, rows / cols))

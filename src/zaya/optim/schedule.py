@@ -73,8 +73,8 @@ class ScheduleConfig:
     """Which schedule, and its shape; validated on construction."""
 
     kind: str = "wsd"  # "wsd", "cosine" or "constant"
-    total_steps: int = 1000
-    warmup_steps: int = 0
+    total_steps: int = 1000  # the steps the schedule spans; a run config's default: train.max_steps
+    warmup_steps: int = 0  # steps of linear warmup
     decay_fraction: float = 0.2  # wsd: the share of total_steps spent decaying
     decay_shape: str = "1-sqrt"  # wsd: "linear", "cosine" or "1-sqrt"
     min_ratio: float = 0.0  # the final multiplier

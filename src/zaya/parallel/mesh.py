@@ -44,9 +44,9 @@ CP_SHARDINGS = ("headtail", "contiguous")
 class ParallelConfig:
     """`[parallel]`: the mesh, the collective library and the timeouts."""
 
-    dp_replicate: int = 1
+    dp_replicate: int = 1  # HSDP replicas, each a full copy of the sharded state (usually one per node)
     dp_shard: int = -1  # -1: every rank the other dimensions leave
-    cp: int = 1
+    cp: int = 1  # context-parallel ranks that split each sequence
     cp_kernel: str = "allgather"  # "ring" passes key/value blocks rank to rank, overlapped with compute
     cp_sharding: str = "headtail"  # "contiguous": chunk r on rank r (for debugging; unbalanced work)
     backend: str = "auto"  # "auto": nccl on GPUs (CUDA and ROCm), gloo on the CPU
