@@ -304,10 +304,12 @@ def evaluate(model_path: Path, data_path: Path, split: str, seq_len: int, batch_
 @cli.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def report(run_dir: Path) -> None:
-    """Plots of a run's metrics and an index.html, written to RUN_DIR/report, and the incident timeline.
+    """Plots of a run's metrics and an index.html, written to RUN_DIR/report; the run's summary (steps, tokens,
+    time, losses, throughput, memory, evaluations) and the incident timeline.
 
     RUN_DIR may also be a supervisor state directory: then only its incident timeline is shown."""
-    from zaya.report.report import make_report, read_all_incidents
+    from zaya.report.report import build_report, read_all_incidents
+    from zaya.report.summary import format_text
     from zaya.resilience.incidents import timeline
     from zaya.train.metrics import read_metrics
 
@@ -315,7 +317,8 @@ def report(run_dir: Path) -> None:
         raise ZayaError(f"{run_dir}: no such run or state directory")
     incidents = read_all_incidents(run_dir)
     if read_metrics(run_dir) or not incidents:
-        click.echo(f"wrote {make_report(run_dir)}")
+        written = build_report(run_dir)
+        click.echo(f"wrote {written.index}\n{format_text(written.summary)}")
     if incidents:
         click.echo(f"incidents ({len(incidents)}):\n{timeline(incidents)}")
 
