@@ -275,6 +275,13 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, a
         launch.init_timeout_s = config.parallel.init_timeout_s
         trainer = Trainer(config, run_dir, allow_data_change=allow_data_change, launch=launch)
     last = trainer.run()
+    if trainer.stopped:
+        from zaya.train.preemption import EXIT_PREEMPTED
+
+        if trainer.launch.is_main:
+            click.echo(f"stopped at step {trainer.state.step} ({trainer.stopped}); exit code {EXIT_PREEMPTED}: "
+                       f"resubmit the same command to resume; run directory {run_dir}")
+        raise click.exceptions.Exit(EXIT_PREEMPTED)
     if not last:
         click.echo(f"nothing to do: {run_dir} is already at step {trainer.state.step} of {config.train.max_steps}")
         return

@@ -5,6 +5,8 @@ Set `ZAYA_FAULTS` to a comma-separated list of `ACTION[=VALUE]@EVENT:STEP[@rank=
     sigkill@step:7                  die (SIGKILL) just before optimizer step 7 (the 8th)
     sigkill@checkpoint-written:6    die after checkpoint 6's files are written, before its commit
     raise@step:3                    raise an exception (a crash) before step 3
+    sigterm@step:5@rank=1           rank 1 sends itself SIGTERM as step 5 begins (`sigusr1` likewise): what a
+                                    scheduler sends before it kills, arriving in the middle of a step
     sigstop@step:4@rank=1           rank 1 stops itself (SIGSTOP): a hang, as a stuck kernel looks from outside
     slow=0.5@step:2@rank=1          rank 1 sleeps 0.5 s in its own work of every step from step 2 on
     nan@step:5                      step 5's loss is NaN (so are its gradients)
@@ -32,7 +34,7 @@ from zaya.errors import ZayaError
 ENV = "ZAYA_FAULTS"
 LINE_ENV = "ZAYA_FAULT_LINE"
 RUN_ENV = "ZAYA_RUN_ATTEMPT"
-ACTIONS = ("sigkill", "raise", "sigstop", "slow", "nan", "spike", "corrupt", "print")
+ACTIONS = ("sigkill", "raise", "sigstop", "sigterm", "sigusr1", "slow", "nan", "spike", "corrupt", "print")
 VALUED = {"slow": 0.5, "spike": 8.0}  # actions that take a value, and its default
 EVENTS = ("step", "checkpoint", "checkpoint-written", "committed")
 
@@ -104,6 +106,8 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.action == "sigstop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif fault.action in ("sigterm", "sigusr1"):
+                os.kill(os.getpid(), signal.SIGTERM if fault.action == "sigterm" else signal.SIGUSR1)
             elif fault.action == "raise":
                 raise InjectedFault(f"injected fault at {event} {step}")
             elif fault.action == "print":

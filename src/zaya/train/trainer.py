@@ -14,6 +14,8 @@ One optimizer step:
     the training signals: a loss spike rolls back to the last checkpoint (zaya.train.signals)
     phase switch once its token budget is spent (a new mesh if its cp differs);  metrics;  eval;  checkpoint
     (at startup the plan's prediction, after 20 steps the measured figures beside it: zaya.train.forecast)
+    a stop request (SIGTERM, SIGUSR1, train.max_time_s) ends the run after the step with a checkpoint and exit
+    code 75; a time budget times the decay (zaya.train.preemption)
 
 The model is sharded from outside (`zaya.parallel.parallelize`) on one rank as on many: the same code path,
 no gradient all-reduce of its own. Under `zaya supervise` each rank writes a heartbeat as it enters a
@@ -45,6 +47,7 @@ from zaya.device import (
     peak_memory_bytes,
     rank_device,
     resolve_device,
+    resolve_precision,
     synchronize,
     tune_host_allocator,
     vendor,
@@ -53,6 +56,7 @@ from zaya.errors import ZayaError
 from zaya.model.flops import training_flops_per_token
 from zaya.model.transformer import RouterStats, Zaya
 from zaya.optim import build_optimizer, describe_param_groups, set_lr_multiplier
+from zaya.optim.schedule import ScheduleConfig
 from zaya.parallel.comm import all_reduce
 from zaya.parallel.dtensor import clip_grad_norm_
 from zaya.parallel.fsdp import parallelize
@@ -68,6 +72,7 @@ from zaya.train.checkpoint_files import prewarm
 from zaya.train.forecast import Forecast
 from zaya.train.metrics import MetricsLogger
 from zaya.train.phases import TrainingPhases
+from zaya.train.preemption import StepClock, StopRequest, deadline_reached, time_origin, timed_decay
 from zaya.train.signals import TrainingSignals
 
 CONFIG_FILE = "run_config.json"  # not config.json: that name marks a Hugging Face directory
@@ -87,6 +92,12 @@ class TrainState:
     samples: int = 0  # sequences trained in all: the batch ramp's clock
     loaders: dict[str, dict] = field(default_factory=dict)  # loader state per phase name
     fingerprints: dict[str, list[str]] = field(default_factory=dict)  # data fingerprints per phase name
+    train_seconds: float = 0.0  # time spent in steps, summed over resumes (rank 0's clock)
+    step_times: list[float] = field(default_factory=list)  # rank 0's recent step times, for the stop rules
+    save_seconds: float = 0.0  # how long the last checkpoint took
+    # with train.time_budget_s, once the decay is timed: the step it began at and the schedule's last step
+    decay_start: int = 0
+    schedule_steps: int = 0
 
 
 class Trainer(TrainingSignals, TrainingPhases):
@@ -94,7 +105,6 @@ class Trainer(TrainingSignals, TrainingPhases):
 
     def __init__(self, config: RunConfig, run_dir: Path, *, allow_data_change: bool = False,
                  launch: Launch | None = None):
-        self.config = config
         self.run_dir = Path(run_dir)
         self.allow_data_change = allow_data_change
         self.launch = launch or Launch.from_env()
@@ -104,12 +114,26 @@ class Trainer(TrainingSignals, TrainingPhases):
         self.heartbeat = Heartbeat.from_env(self.launch.rank)
         self.heartbeat.beat("init", 0)
         self._init_signals()
-        self.model_config = config.model_config()
-        self.phases = config.resolved_phases()
         device = resolve_device(None if config.train.device == "auto" else config.train.device)
         self.device = rank_device(device, self.launch.local_rank)
+        self.config = self._resolve_precision(config)
+        self.model_config = config.model_config()
+        self.phases = config.resolved_phases()
+        self.started = time_origin()  # what train.max_time_s counts from
+        self.stop = StopRequest()
+        self.stopped: str | None = None  # why the run stopped before its end, if it did
         self.checkpoint_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.run_dir / "checkpoints"
         self._check_inputs()
+
+    def _resolve_precision(self, config: RunConfig) -> RunConfig:
+        """`train.precision = "auto"` made "bf16" or "fp32" for this device (`zaya.device.resolve_precision`)."""
+        precision = resolve_precision(config.train.precision, self.device)
+        if precision == config.train.precision:
+            return config
+        if config.train.compile and precision != "bf16":
+            raise ZayaError(f"{config.source}: train.compile needs bf16, but train.precision = 'auto' is fp32 on "
+                            f"{self.device} (its bf16 matmuls are slow); set train.compile = false")
+        return dataclasses.replace(config, train=dataclasses.replace(config.train, precision=precision))
 
     # ---- checks that run before anything is written ------------------------------------------------------
 
@@ -243,8 +267,10 @@ class Trainer(TrainingSignals, TrainingPhases):
                           async_save=self.config.checkpoint.async_save,
                           on_written=lambda: self.faults("checkpoint-written", step),
                           on_commit=lambda path: self.faults("committed", step, path))
+        seconds = time.perf_counter() - started
+        self.state.save_seconds = seconds  # the next save's estimate, for train.max_time_s
         self._say(f"checkpoint step {step} {'staged' if self.config.checkpoint.async_save else 'saved'} in "
-                  f"{time.perf_counter() - started:.2f} s")
+                  f"{seconds:.2f} s")
 
     def _restore(self, directory: Path) -> None:
         info = ckpt.read_json(directory / ckpt.CONFIG_FILE)
@@ -294,7 +320,7 @@ class Trainer(TrainingSignals, TrainingPhases):
             loss_sum += loss.detach().double() * micro.shape[0]
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm_(params, train.grad_clip, self._all_reduce)
-        lr_scale = self.config.schedule.multiplier(self.state.step) * phase.lr_scale
+        lr_scale = self.schedule().multiplier(self.state.step) * phase.lr_scale
         set_lr_multiplier(self.optimizer, lr_scale)
         # the norm is global, so every rank takes the same branch
         skipped = not bool(torch.isfinite(grad_norm)) and self._skip_nonfinite(step, float(grad_norm))
@@ -307,7 +333,8 @@ class Trainer(TrainingSignals, TrainingPhases):
             self._skipped_in_row = 0
         synchronize(self.device)
         optimizer_time = time.perf_counter() - started
-        counts, entropy, loss_total, memory, sent, host_times = self._global_stats(stats, loss_sum, host_time)
+        counts, entropy, loss_total, memory, sent, host_times, control = self._global_stats(stats, loss_sum,
+                                                                                            host_time)
         if self.config.balance.enabled and not skipped:
             self.controller.update(counts)
         tokens = global_batch * phase.seq_len
@@ -315,6 +342,7 @@ class Trainer(TrainingSignals, TrainingPhases):
         self.state.samples += global_batch
         self.state.tokens += tokens
         self.state.phase_tokens += tokens
+        stop = self._take_controls(control)
         counts = counts.double()
         expert_share = counts[:, :-1] / counts.sum(1, keepdim=True).clamp_min(1)
         return {
@@ -334,7 +362,49 @@ class Trainer(TrainingSignals, TrainingPhases):
             "comm_bytes": sent,
             "host_time": host_times,
             "skipped": skipped,
+            "stop": stop,
         }
+
+    def schedule(self) -> ScheduleConfig:
+        """The learning-rate schedule: as configured, or with its decay timed to train.time_budget_s once that
+        was decided (the decision is part of the checkpoint, so a resumed run keeps it)."""
+        state = self.state
+        if not state.schedule_steps:
+            return self.config.schedule
+        decay = state.schedule_steps - state.decay_start
+        return dataclasses.replace(self.config.schedule, total_steps=state.schedule_steps,
+                                   decay_fraction=decay / state.schedule_steps)
+
+    def end_step(self) -> int:
+        """The step the run ends at: train.max_steps, or the end of a timed decay if that comes first."""
+        return min(self.config.train.max_steps, self.state.schedule_steps or self.config.train.max_steps)
+
+    def _take_controls(self, control: list[float]) -> str | None:
+        """Apply what the step's all-reduce brought (the same on every rank): rank 0's time for the previous
+        step, the time budget's decay decision; returns why the run must stop after this step, if it must."""
+        signals, deadline, previous = control
+        state = self.state
+        if previous > 0:
+            state.train_seconds += previous
+            state.step_times = [*state.step_times, previous][-10:]
+        train, schedule = self.config.train, self.config.schedule
+        if train.time_budget_s and not state.schedule_steps:
+            planned = schedule.total_steps - schedule.decay_steps
+            total = timed_decay(state.step, state.train_seconds, train.time_budget_s, schedule.decay_fraction,
+                                schedule.warmup_steps, StepClock(state.step_times).step_seconds, planned)
+            if total is not None:
+                state.decay_start, state.schedule_steps = state.step, total
+                self._say(f"time budget: {state.train_seconds:.0f} of {train.time_budget_s:.0f} s trained; the "
+                          f"decay runs from step {state.step} to step {total} (the rest of the budget at "
+                          f"{StepClock(state.step_times).step_seconds:.3f} s per step)")
+        if signals:
+            return "signal"
+        return "max_time_s" if deadline else None
+
+    def _deadline(self) -> bool:
+        """Rank 0's view: must the run stop now to leave a checkpoint before train.max_time_s?"""
+        clock = StepClock(self.state.step_times, self.state.save_seconds)
+        return self.launch.is_main and deadline_reached(self.config.train.max_time_s, self.started, clock)
 
     def _all_reduce(self, tensor: torch.Tensor, group=None) -> None:
         all_reduce(tensor, group, self.parallel.counter, "trainer")
@@ -346,7 +416,8 @@ class Trainer(TrainingSignals, TrainingPhases):
         three)."""
         world, rank = self.launch.world_size, self.launch.rank
         layers, routes = stats.counts.shape
-        packed = torch.zeros(layers * routes + layers + 1 + 3 * world, dtype=torch.float64, device=self.device)
+        # the trailing three: stop requests by signal (any rank), rank 0's deadline and its previous step's time
+        packed = torch.zeros(layers * routes + layers + 1 + 3 * world + 3, dtype=torch.float64, device=self.device)
         packed[:layers * routes] = stats.counts.flatten()  # exact: counts stay far below 2^53
         packed[layers * routes:layers * routes + layers] = stats.entropy_sum
         packed[layers * routes + layers] = loss_sum
@@ -356,12 +427,17 @@ class Trainer(TrainingSignals, TrainingPhases):
         counter.all_reduce("trainer", packed.numel() * packed.element_size(), world)
         packed[tail + world + rank] = sum(counter.take().values())
         packed[tail + 2 * world + rank] = host_time
+        packed[-3] = float(self.stop.requested)
+        if self.launch.is_main:
+            packed[-2] = float(self._deadline())
+            packed[-1] = self._last_seconds
         all_reduce(packed, None, None, "trainer")  # counted just above, before it was sent
         counts = packed[:layers * routes].round().long().view(layers, routes)
         memory = [int(v) for v in packed[tail:tail + world].tolist()]
         sent = [int(v) for v in packed[tail + world:tail + 2 * world].tolist()]
-        host = packed[tail + 2 * world:].tolist()
-        return counts, packed[layers * routes:tail - 1], packed[tail - 1], memory, sent, host
+        host = packed[tail + 2 * world:tail + 3 * world].tolist()
+        control = packed[-3:].tolist()
+        return counts, packed[layers * routes:tail - 1], packed[tail - 1], memory, sent, host, control
 
     def _open_metrics(self) -> MetricsLogger:
         train, logging = self.config.train, self.config.logging
@@ -391,9 +467,11 @@ class Trainer(TrainingSignals, TrainingPhases):
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
     def run(self) -> dict:
-        """Train to `train.max_steps`; returns the last metrics row."""
+        """Train to `train.max_steps` (or the end of a timed decay); returns the last metrics row. A stop request
+        (`zaya.train.preemption`) ends it early with a checkpoint and sets `stopped`."""
         try:
-            return self._run()
+            with self.stop:
+                return self._run()
         finally:
             parallel = getattr(self, "parallel", None)
             if parallel is not None:
@@ -416,14 +494,16 @@ class Trainer(TrainingSignals, TrainingPhases):
         self.model.train()
         last: dict = {}
         peak = self.peak * self.launch.world_size
+        self._last_seconds = 0.0  # rank 0's time of the step before, sent with the next step's statistics
         try:
-            while self.state.step < train.max_steps:
+            while not self._stop_at_start() and self.state.step < self.end_step():
                 self.heartbeat.beat("step", self.state.step)
                 synchronize(self.device)
                 started = time.perf_counter()
                 row = self.train_step()
+                stop = row.pop("stop")
                 synchronize(self.device)
-                seconds = time.perf_counter() - started
+                seconds = self._last_seconds = time.perf_counter() - started
                 tokens_per_s = row["batch_size"] * self.phases[self.state.phase].seq_len / seconds
                 row.update(step=self.state.step, time=time.time(), step_time=seconds, tokens_per_s=tokens_per_s,
                            mfu=tokens_per_s * self.flops_per_token / peak)
@@ -434,11 +514,11 @@ class Trainer(TrainingSignals, TrainingPhases):
                 if self._watch(row):
                     continue  # rolled back: the loop goes on from the checkpoint's step
                 self._maybe_switch_phase()
-                step = self.state.step
-                if train.eval_every and (step % train.eval_every == 0 or step == train.max_steps):
+                step, end = self.state.step, self.end_step()
+                if train.eval_every and (step % train.eval_every == 0 or step == end):
                     self.heartbeat.beat("eval", step)
                     row.update(self.evaluate())
-                if step % logging.log_every == 0 or "eval_loss" in row or step == train.max_steps:
+                if step % logging.log_every == 0 or "eval_loss" in row or step == end or stop:
                     self.metrics.log(row)
                 self.metrics.progress(step, {"loss": f"{row['loss']:.3f}", "tok/s": f"{tokens_per_s:,.0f}"})
                 measured = forecast.observe(row) if forecast is not None else None
@@ -446,14 +526,40 @@ class Trainer(TrainingSignals, TrainingPhases):
                     self._say(measured)
                 if not row["skipped"] and not math.isfinite(row["loss"]):
                     raise ZayaError(f"step {step}: the loss is {row['loss']}; stopping (last checkpoint kept)")
-                due = step % self.config.checkpoint.every == 0 or step == train.max_steps
+                due = step % self.config.checkpoint.every == 0 or step == end or stop
                 if due and self.saved_step != step:  # a move to a new mesh may just have saved this step
                     self.heartbeat.beat("checkpoint_save", step)
                     self.save()
                 last = row
+                if stop:
+                    self._stopped(stop, step)
+                    break
             self.manager.wait()
             self.heartbeat.beat("done", self.state.step)
         finally:
             self.metrics.close()
             self.loader.close()
         return last
+
+    def _stop_at_start(self) -> bool:
+        """A resumed run that has no time left for one step and a checkpoint stops before its first step (rank
+        0's clock decides, for all)."""
+        if not self.config.train.max_time_s or self._last_seconds or self.stopped:
+            return False  # checked once, before the first step
+        flag = torch.tensor(float(self._deadline()), dtype=torch.float64, device=self.device)
+        self._all_reduce(flag)
+        if not flag.item():
+            return False
+        self._stopped("max_time_s", self.state.step)
+        return True
+
+    def _stopped(self, reason: str, step: int) -> None:
+        """The run stops early with its checkpoint committed: say why and what resumes it."""
+        self.manager.wait()
+        self.stopped = self.stop.signal.name if reason == "signal" and self.stop.signal else reason
+        if reason == "signal" and self.stop.signal is None:
+            self.stopped = "a signal to another rank"
+        limit = f" (train.max_time_s = {self.config.train.max_time_s:g} s)" if reason == "max_time_s" else ""
+        kept = (f"checkpoint step {step} is committed; the same command resumes from it"
+                if self.saved_step == step or self.resume_from is not None else "nothing was trained yet")
+        self._say(f"stopping at step {step} on {self.stopped}{limit}: {kept}")

@@ -1,0 +1,138 @@
+"""Runs that survive the scheduler: a stop request (SIGTERM, SIGUSR1, a wall-clock limit) ends the run after
+the current step with a checkpoint, and the process exits with `EXIT_PREEMPTED` so that a resubmitted job
+resumes with nothing lost; a time budget times the learning-rate decay.
+
+    SIGTERM, SIGUSR1      what schedulers send before they kill (Slurm's `--signal`, Kubernetes, torchrun
+                          passing on its own SIGTERM): the current step finishes, a checkpoint is written,
+                          exit 75. A second signal of the same kind ends the process at once (the last
+                          committed checkpoint is intact: commits are atomic).
+    train.max_time_s      a wall-clock limit counted from the job's start (`time_origin`): the run stops
+                          when the time left no longer covers one more step and a checkpoint (the slowest
+                          recent step, the last save's duration), also with exit 75.
+    train.time_budget_s   the decay of the wsd schedule starts when the budget's last `decay_fraction`
+                          begins and spans the time left at the measured step rate (`timed_decay`); the
+                          run then ends with the decay, exit 0.
+
+Every rank takes the same decision: the requests travel in the step's one all-reduce (a signal that reached
+any rank stops all of them at the same step), and every time figure is rank 0's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+from dataclasses import dataclass
+
+# sysexits' EX_TEMPFAIL, "a temporary failure; the user is invited to retry": not 0 (the run is not done),
+# not 1 (nothing went wrong), not 2 (bad input), not 128 + N (it did not die of the signal)
+EXIT_PREEMPTED = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_RECENT = 10  # steps whose times estimate the next one's
+
+
+class StopRequest:
+    """Catches SIGTERM and SIGUSR1 while training: the first one only records the request, a second one of the
+    same kind takes the default action (the process ends). Inert outside the main thread (Python delivers
+    signals to it alone), where it cannot install handlers."""
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        try:
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        except ValueError:  # not the main thread
+            self._previous.clear()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self.signal is not None and self.signal.value == signum:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signal = signal.Signals(signum)
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+
+def time_origin() -> float:
+    """When the job started, as the wall clock (`time.time()`) counts: Slurm's job start if the job runs under
+    Slurm (`SLURM_JOB_START_TIME`), else when the torchrun agent that started this process began (a restarted
+    worker keeps the job's clock), else when this process began."""
+    slurm = os.environ.get("SLURM_JOB_START_TIME", "")
+    if slurm.isdigit():
+        return float(slurm)
+    pid = os.getppid() if "TORCHELASTIC_RESTART_COUNT" in os.environ else os.getpid()
+    started = _process_start(pid)
+    return started if started is not None else _PROCESS_START
+
+
+_PROCESS_START = time.time()  # the import's time: close to the process start where /proc is not available
+
+
+def _process_start(pid: int) -> float | None:
+    """The wall-clock start of process `pid`, from /proc (Linux); None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat", encoding="ascii") as handle:
+            boot = next(float(line.split()[1]) for line in handle if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+@dataclass
+class StepClock:
+    """Rank 0's recent step times and the last checkpoint's duration: the estimates every stop rule uses."""
+
+    recent: list[float]
+    save_seconds: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.recent = [*self.recent, seconds][-_RECENT:]
+
+    @property
+    def step_seconds(self) -> float:
+        """The next step's expected duration: the median of the recent ones (0 before the first)."""
+        return statistics.median(self.recent) if self.recent else 0.0
+
+    def needed(self) -> float:
+        """Seconds one more step and a checkpoint take: the slowest recent step, and the last save's time or,
+        before the first save, a guess of ten steps (a save writes the state once; a step reads and writes it
+        several times, but from memory)."""
+        slowest = max(self.recent, default=0.0)
+        return slowest + (self.save_seconds if self.save_seconds else 10 * slowest)
+
+
+def deadline_reached(max_time_s: float, origin: float, clock: StepClock, now: float | None = None) -> bool:
+    """Whether a run limited to `max_time_s` seconds from `origin` must stop now to leave a checkpoint."""
+    if max_time_s <= 0:
+        return False
+    now = time.time() if now is None else now
+    return now - origin + clock.needed() >= max_time_s
+
+
+def timed_decay(step: int, trained_s: float, budget_s: float, decay_fraction: float, warmup_steps: int,
+                step_seconds: float, planned_decay_start: int) -> int | None:
+    """The total step count of a wsd schedule timed to a budget, once its decay is due, else None.
+
+    The decay is due when `trained_s` reaches the budget's stable share, (1 - decay_fraction) * budget_s,
+    after warmup and before the step-counted decay (`planned_decay_start`, from max_steps) would begin; it then
+    takes the time left at `step_seconds` per step, so the run ends about when the budget does."""
+    if budget_s <= 0 or step < warmup_steps or step >= planned_decay_start or step_seconds <= 0:
+        return None
+    if trained_s < (1.0 - decay_fraction) * budget_s:
+        return None
+    return step + max(1, round((budget_s - trained_s) / step_seconds))

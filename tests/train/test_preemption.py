@@ -1,0 +1,186 @@
+"""Runs that survive the scheduler: SIGTERM / SIGUSR1 finish the step, checkpoint and exit 75; train.max_time_s
+stops before a wall-clock limit; a time budget times the decay; the resumed run is the uninterrupted one."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_trainer import _final_tensors, _losses, _train
+
+from conftest import write_config
+from multiprocess import torchrun
+from zaya.config import load_config
+from zaya.train import checkpoint as ckpt
+from zaya.train.metrics import read_metrics
+from zaya.train.preemption import EXIT_PREEMPTED, StepClock, deadline_reached, time_origin, timed_decay
+from zaya.train.trainer import Trainer
+
+
+def _committed(run_dir: Path) -> int:
+    return ckpt.read_json(ckpt.resolve_checkpoint(run_dir) / ckpt.CONFIG_FILE)["step"]
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    assert _losses(a) == _losses(b)
+    ta, tb = _final_tensors(a), _final_tensors(b)
+    assert set(ta) == set(tb) and any(k.startswith("optim.") for k in ta)
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
+
+
+# ---- the rules ----------------------------------------------------------------------------------------
+
+
+def test_the_deadline_leaves_one_step_and_a_checkpoint():
+    clock = StepClock([1.0, 3.0, 2.0], save_seconds=5.0)
+    assert clock.step_seconds == 2.0 and clock.needed() == 8.0  # the slowest step, then the save
+    assert not deadline_reached(100.0, origin=0.0, clock=clock, now=91.9)
+    assert deadline_reached(100.0, origin=0.0, clock=clock, now=92.0)
+    assert not deadline_reached(0.0, origin=0.0, clock=clock, now=1e9)  # no limit
+    assert StepClock([2.0]).needed() == 22.0  # before any save: ten steps' worth for it
+
+
+def test_the_timed_decay_starts_at_the_budgets_last_share():
+    due = dict(budget_s=100.0, decay_fraction=0.3, warmup_steps=5, step_seconds=2.0, planned_decay_start=1000)
+    assert timed_decay(40, 69.9, **due) is None  # before 70% of the budget
+    assert timed_decay(40, 70.0, **due) == 40 + 15  # 30 s left at 2 s per step
+    assert timed_decay(3, 80.0, **due) is None  # still warming up
+    assert timed_decay(40, 70.0, **{**due, "planned_decay_start": 40}) is None  # max_steps' decay comes first
+    assert timed_decay(40, 120.0, **due) == 41  # over budget: one decay step, then done
+
+
+def test_the_job_clock_is_slurms_when_there_is_one(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_START_TIME", "1700000000")
+    assert time_origin() == 1700000000.0
+    monkeypatch.delenv("SLURM_JOB_START_TIME")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert 0 <= time.time() - time_origin() < 3600  # this process's start
+
+
+# ---- signals ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", ["sigterm", "sigusr1"])
+def test_a_signal_mid_step_stops_after_it_with_a_checkpoint_and_resume_is_bitwise_identical(dataset, tmp_path,
+                                                                                             sig):
+    config = write_config(tmp_path / "run.toml", dataset, checkpoint={"every": 4, "keep": 2})
+    Trainer(load_config(config), tmp_path / "straight").run()
+
+    stopped = _train(config, tmp_path / "resumed", env={"ZAYA_FAULTS": f"{sig}@step:5"})
+    assert stopped.returncode == EXIT_PREEMPTED, stopped.stderr
+    assert _committed(tmp_path / "resumed") == 6  # step 5 (the sixth) finished, then its checkpoint
+    assert max(r["step"] for r in read_metrics(tmp_path / "resumed")) == 6
+    log = (tmp_path / "resumed" / "train.log").read_text()
+    assert f"stopping at step 6 on {sig.upper()}" in log and f"exit code {EXIT_PREEMPTED}" in stopped.stdout
+
+    resumed = _train(config, tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr
+    _assert_same_run(tmp_path / "straight", tmp_path / "resumed")
+
+
+def _start(config: Path, run: Path, env: dict | None = None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "zaya.cli", "train", str(config), "--run-dir", str(run)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _wait_for_step(process: subprocess.Popen, run: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(r["step"] >= step for r in read_metrics(run)):
+        if time.monotonic() > deadline or process.poll() is not None:
+            process.kill()
+            raise AssertionError(f"no step {step} within {timeout} s: {process.communicate()[1][-4000:]}")
+        time.sleep(0.05)
+
+
+def _finish(process: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
+    try:
+        return process.communicate(timeout=timeout)
+    finally:
+        process.kill()
+
+
+def test_sigterm_from_outside_at_any_moment(dataset, tmp_path):
+    """The scheduler's way: a signal from another process, whenever it comes."""
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 14}, checkpoint={"every": 5})
+    Trainer(load_config(config), tmp_path / "straight").run()
+    run = tmp_path / "resumed"
+    process = _start(config, run)
+    _wait_for_step(process, run, 3)
+    process.send_signal(signal.SIGTERM)
+    _out, err = _finish(process)
+    assert process.returncode == EXIT_PREEMPTED, err
+    last = max(r["step"] for r in read_metrics(run))
+    assert 3 <= last < 14 and _committed(run) == last  # nothing trained is lost
+    assert _train(config, run).returncode == 0
+    _assert_same_run(tmp_path / "straight", run)
+
+
+def test_a_second_signal_ends_the_process_at_once(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 50})
+    run = tmp_path / "run"
+    process = _start(config, run, {"ZAYA_FAULTS": "slow=2@step:2"})  # steps of 2 s: room for two signals in one
+    _wait_for_step(process, run, 2)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    process.send_signal(signal.SIGTERM)
+    _finish(process, 60)
+    assert process.returncode == -signal.SIGTERM
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 12}, checkpoint={"every": 5})
+    run = tmp_path / "run"
+    result = torchrun("train", str(config), "--run-dir", str(run), nproc=2, timeout=240,
+                      env={"ZAYA_FAULTS": "sigterm@step:6@rank=1"}, extra=["--max-restarts", "0"])
+    assert result.returncode != 0  # torchrun reports a worker's non-zero exit as its own failure
+    assert result.stdout.count(f"exit code {EXIT_PREEMPTED}") == 1, result.stdout  # rank 0 says it, once
+    log = (run / "train.log").read_text() + (run / "logs" / "rank-1.log").read_text()
+    assert "stopping at step 7 on a signal to another rank" in log and "stopping at step 7 on SIGTERM" in log
+    assert _committed(run) == 7
+    (shards,) = {len(list((ckpt.resolve_checkpoint(run)).glob("*.distcp")))}
+    assert shards == 2
+
+
+# ---- time ---------------------------------------------------------------------------------------------
+
+
+def test_max_time_s_stops_in_time_with_a_checkpoint(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 10_000, "max_time_s": 40.0,
+                                                                 "eval_every": 0},
+                          checkpoint={"every": 1000})
+    started = time.time()
+    result = _train(config, tmp_path / "run", env={"ZAYA_FAULTS": "slow=0.2@step:0"})
+    elapsed = time.time() - started
+    assert result.returncode == EXIT_PREEMPTED, result.stderr
+    assert elapsed < 40.0 + 3.0  # the process's own start-up counts against the limit; + its exit
+    last = max(r["step"] for r in read_metrics(tmp_path / "run"))
+    assert 1 <= last < 10_000 and _committed(tmp_path / "run") == last
+    assert "train.max_time_s = 40 s" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_a_time_budget_times_the_decay_and_ends_the_run(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset,
+                          train={"max_steps": 100_000, "time_budget_s": 12.0, "eval_every": 0},
+                          schedule={"warmup_steps": 2, "decay_fraction": 0.4}, checkpoint={"every": 1000})
+    result = _train(config, tmp_path / "run", env={"ZAYA_FAULTS": "slow=0.1@step:0"})
+    assert result.returncode == 0, result.stderr
+    rows = read_metrics(tmp_path / "run")
+    state = ckpt.read_json(ckpt.resolve_checkpoint(tmp_path / "run") / ckpt.TRAIN_STATE_FILE)["state"]
+    start, end = state["decay_start"], state["schedule_steps"]
+    assert rows[-1]["step"] == end and 0 < start < end < 100_000
+    lrs = {r["step"]: r["lr_multiplier"] for r in rows}
+    # a row's multiplier is the one its optimizer step (row step - 1) took: the decay's t = 0 is step `start`
+    assert lrs[start + 1] == 1.0 and all(lrs[s] < 1.0 for s in range(start + 2, end + 1))
+    assert lrs[end] == pytest.approx(1 - ((end - 1 - start) / (end - start)) ** 0.5, abs=1e-9)  # 1-sqrt shape
+    assert 12.0 * 0.8 < state["train_seconds"] < 12.0 * 1.3
+    line = next(x for x in (tmp_path / "run" / "train.log").read_text().splitlines() if "time budget" in x)
+    assert f"from step {start} to step {end}" in line
+    json.dumps(state)  # the decision travels in the checkpoint
