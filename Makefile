@@ -10,12 +10,16 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.zaya-installed
+# the demo needs fewer packages than the tests (no transformers, lm-eval, datasets, W&B): a fresh clone's
+# `make demo` installs only those, and a venv made by `make test` serves both
+DEMO_STAMP := $(VENV)/.zaya-demo
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean venv
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# the venv, with a torch in it
+venv:
 	@if [ ! -x $(BIN)/python ]; then \
 		if $(PYTHON) -c 'import torch' >/dev/null 2>&1; then \
 			echo "using the torch already installed for $(PYTHON)"; \
@@ -25,16 +29,25 @@ $(STAMP): pyproject.toml
 		fi; \
 	fi
 	@$(BIN)/python -c 'import torch' >/dev/null 2>&1 || \
-		$(BIN)/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
-	$(BIN)/python -m pip install -q -e '.[test]'
-	@touch $(STAMP)
+		$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
 
-# The demo: build a dataset from the Python standard library, train a tiny ZAYA1-style model on it for a few
-# minutes (resuming if runs/tiny already has checkpoints), sample from it and write the run report.
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory venv
+	$(BIN)/python -m pip install -q -e '.[test]'
+	@touch $(STAMP) $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory venv
+	$(BIN)/python -m pip install -q -e '.[report]'
+	@touch $(DEMO_STAMP)
+
+# The demo: build a dataset from the Python standard library, train a tiny ZAYA1-style model on it for five
+# minutes (a time budget: configs/tiny.toml; resuming if runs/tiny already has checkpoints), sample from it,
+# evaluate it and write the run report.
 DEMO_RUN ?= runs/tiny
 DEMO_PROMPT ?= def read_config(path):
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	@test -f data/stdlib/manifest.json || $(BIN)/zaya data build --input stdlib --out data/stdlib --val-fraction 0.02
 	$(BIN)/zaya train configs/tiny.toml --run-dir $(DEMO_RUN)
 	@echo "--- greedy continuation:"

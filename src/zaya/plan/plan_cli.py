@@ -107,7 +107,7 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
     """Predict memory per GPU, communication, step time, MFU and run time of a training config."""
     from zaya.config import load_config
     from zaya.plan.devices import describe_devices
-    from zaya.plan.planner import plan_run
+    from zaya.plan.planner import auto_precision, plan_run
     from zaya.plan.search import describe, search_layouts, smallest_fit
 
     if devices:
@@ -117,11 +117,7 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
         raise ZayaError("give a run config (zaya plan CONFIG), or --devices")
     config = load_config(config_path, list(overrides))
     if config.train.precision == "auto":  # as the trainer would resolve it on the target
-        import torch
-
-        from zaya.device import resolve_precision
-
-        config.train.precision = resolve_precision("auto", torch.device("cpu")) if device_name == "local" else "bf16"
+        config.train.precision = auto_precision(device_name)
     device, table = load_target(device_name, config.train.precision, table_path)
     if gpus < 1:
         raise ZayaError(f"--gpus must be at least 1, got {gpus}")

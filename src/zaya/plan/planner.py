@@ -235,6 +235,18 @@ def schedule(config: RunConfig) -> list[list[tuple[int, int]]]:
     return result
 
 
+def auto_precision(device_name: str) -> str:
+    """`train.precision = "auto"` on the device of that name: bf16 on a GPU; on this machine (`local`) what the
+    trainer picks."""
+    if device_name != "local":
+        return "bf16"
+    import torch
+
+    from zaya.device import resolve_precision
+
+    return resolve_precision("auto", torch.device("cpu"))
+
+
 def plan_run(config: RunConfig, gpus: int, device: DeviceSpec, table=None, gpus_per_node: int | None = None,
              layout: Layout | None = None) -> Plan:
     """The `Plan` of `config` on `gpus` GPUs of `device` (`table`: its measured GEMM rates, if any);
@@ -244,6 +256,9 @@ def plan_run(config: RunConfig, gpus: int, device: DeviceSpec, table=None, gpus_
     per_node = gpus_per_node or min(device.gpus_per_node, gpus)
     if per_node < 1:
         raise ZayaError(f"--gpus-per-node must be at least 1, got {per_node}")
+    if config.train.precision == "auto":  # as the trainer resolves it there
+        train = dataclasses.replace(config.train, precision=auto_precision(device.name))
+        config = dataclasses.replace(config, train=train)
     model = config.model_config()
     rates = rates_for(device, table)
     details = device_details(device, getattr(table, "device", None), config.train.precision)
