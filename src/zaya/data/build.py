@@ -1,15 +1,32 @@
 """`zaya data build`: text files in, a tokenized dataset out.
 
-    files = discover(inputs)              # .txt / .jsonl / .parquet / stdlib, in a fixed order
-    pieces = split_file(...)              # record-aligned byte ranges or row groups, balanced over workers
-    tokenizer = given or train_bpe(...)   # trained on the train documents only
+    files = discover(inputs)              # every input kind (corpus.py), in a fixed order
+    pieces = split_file(...)              # record-aligned byte ranges, row groups, record batches, or a stream
+    tokenizer = given or train_bpe(...)   # trained on a bounded sample of the train documents
     tokenize pieces in worker processes   # results come back in piece order: the output is deterministic
     DatasetWriter -> manifest             # inside a staging directory renamed into place at the end
 
 Which split a document goes to depends only on its text (a hash compared with the validation fraction), so
 the split is the same whatever the number of workers, the file order within a run, or the output directory.
 The output does not depend on how the work is cut into pieces either: every document is tokenized on its own
-(documents longer than a few MB are tokenized in newline-aligned parts, always cut at the same places).
+(documents longer than a few MB are tokenized in newline-aligned parts, always cut at the same places). Nor
+does it depend on how the documents were packaged: the same documents in the same order build the same
+dataset, with the same fingerprint, from one `.jsonl` file or from a hundred compressed shards, CSV files or a
+saved `datasets` directory. (How many files there were is recorded in build.json, not in the manifest.)
+
+Memory is bounded by the number of workers W, not by the size of the corpus:
+
+- each worker holds at most `_BUFFER_BYTES` (4 MB) of documents' text, or one document if it is longer;
+  encodes them `_ENCODE_CHARS` (1 MiB of text) at a time, which takes the `tokenizers` library about 25 MB;
+  and appends their tokens to its job's files in the staging directory (`spill.py`);
+- the main process reads pieces only to train the tokenizer, record by record, and then copies one chunk of
+  tokens at a time (a worker's 4 MB batch: about 3 MB of uint16 tokens) from those files into the dataset;
+- training the BPE takes the `tokenizers` trainer's table of the distinct words in its sample, which is at
+  most `tokenizer_sample_bytes` (`--bpe-sample-mb`, 1 GiB by default) of text and usually holds far less.
+
+So the peak is about the interpreter's baseline + W x 40 MB + the BPE trainer's table, whatever the corpus
+size (measured in tests/data/test_corpora.py). Arrow inputs are memory-mapped: their pages count as resident
+while read but are the operating system's file cache, not the build's.
 """
 
 from __future__ import annotations
@@ -18,8 +35,10 @@ import contextlib
 import functools
 import hashlib
 import json
+import math
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -30,7 +49,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from zaya.data.corpus import InputFile, Piece, ReadOptions, discover, location, read_piece, split_file
+from zaya.data.corpus import InputFile, Piece, ReadOptions, Selection, discover, location, split_file, stream_piece
 from zaya.data.shards import (
     BUILD_FILE,
     DEFAULT_SHARD_TOKENS,
@@ -40,6 +59,7 @@ from zaya.data.shards import (
     staged_directory,
     token_dtype,
 )
+from zaya.data.spill import SpilledTokens, SpillWriter
 from zaya.data.tokenizer import (
     DEFAULT_VOCAB_SIZE,
     EOS_TOKEN,
@@ -58,6 +78,11 @@ MAX_REPORTED_PROBLEMS = 100
 _PART_CHARS = 1 << 22
 _MIN_PIECE_BYTES = 1 << 18
 _MAX_PIECE_BYTES = 1 << 23
+# a worker tokenizes this much text at a time, in encode calls of _ENCODE_CHARS characters: the encoder's
+# per-token objects cost it tens of bytes per character, so larger calls only cost memory
+_BUFFER_BYTES = 1 << 22
+_ENCODE_CHARS = 1 << 20
+_SPILL_DIR = ".tokens"
 _TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
 
 
@@ -72,6 +97,9 @@ class BuildOptions:
     val_fraction: float = DEFAULT_VAL_FRACTION
     text_field: str = "text"
     doc_separator: str | None = None
+    include: tuple[str, ...] = ()  # glob patterns choosing the files inside input directories
+    exclude: tuple[str, ...] = ()
+    split: str | None = None  # the split of a saved DatasetDict (`train` when None)
     eos_token: str = EOS_TOKEN
     strict: bool = False
     workers: int = 0  # 0: one per CPU core
@@ -93,6 +121,7 @@ class BuildReport:
     bad_records: int = 0
     invalid_utf8_documents: int = 0
     problems: list[str] = field(default_factory=list)  # the first MAX_REPORTED_PROBLEMS, with locations
+    files: int = 0  # input files read
 
 
 def default_workers() -> int:
@@ -109,23 +138,26 @@ def build_dataset(options: BuildOptions) -> BuildReport:
     _check_options(options)
     workers = options.workers or default_workers()
     read = ReadOptions(options.text_field, options.doc_separator)
-    files = discover(options.inputs)
+    files = discover(options.inputs, Selection(options.include, options.exclude), options.split)
     pieces = _plan(files, read, workers)
     with staged_directory(options.out, options.overwrite) as staging:
         tokenizer, tokenizer_json = _tokenizer(options, files, pieces, read)
         info = describe(tokenizer, tokenizer_json, str(options.tokenizer or "the trained tokenizer"),
                         options.eos_token)
         writer = DatasetWriter(staging, token_dtype(info.vocab_size), options.shard_tokens)
+        spill = staging / _SPILL_DIR
+        spill.mkdir()
         try:
-            tally = _tokenize(options, files, pieces, read, tokenizer_json, info.eos_id, writer, workers)
+            tally = _tokenize(options, files, pieces, read, tokenizer_json, info.eos_id, writer, workers, spill)
         except BaseException:
             writer.abort()
             raise
+        shutil.rmtree(spill)
         if tally.documents == 0:
             writer.abort()
             raise ZayaError(f"no documents in the inputs ({len(files)} files, {tally.text_bytes} bytes of text, "
                             f"{tally.bad_records} bad records)")
-        manifest = writer.finish(tokenizer_json, info.to_dict(), tally.corpus(len(files)))
+        manifest = writer.finish(tokenizer_json, info.to_dict(), tally.corpus())
         report = BuildReport(
             path=Path(options.out),
             fingerprint=fingerprint_of(manifest),
@@ -135,6 +167,7 @@ def build_dataset(options: BuildOptions) -> BuildReport:
             bad_records=tally.bad_records,
             invalid_utf8_documents=tally.invalid_utf8,
             problems=tally.problems,
+            files=len(files),
         )
         _write_build_info(staging / BUILD_FILE, options, workers, report)
     return report
@@ -149,6 +182,9 @@ def _check_options(options: BuildOptions) -> None:
         raise ZayaError(f"--workers must be positive, got {options.workers}")
     if options.doc_separator == "":
         raise ZayaError("--doc-separator must not be empty")
+    for flag, patterns in (("--include", options.include), ("--exclude", options.exclude)):
+        if any(not pattern.strip("/") for pattern in patterns):
+            raise ZayaError(f"{flag} needs a pattern such as '*.py', got an empty one")
 
 
 def _target_bytes(total: int, workers: int) -> int:
@@ -200,30 +236,36 @@ def _tokenizer(options: BuildOptions, files: Sequence[InputFile], pieces: Sequen
 
 def _training_texts(options: BuildOptions, files: Sequence[InputFile], pieces: Sequence[Piece],
                     read: ReadOptions) -> Iterator[str]:
-    """The train documents the BPE learns from: all of them, or an even share of every file when the corpus
-    is larger than `tokenizer_sample_bytes`. Bad records are fatal here already in strict mode."""
+    """The train documents the BPE learns from: all of them, or an even share of every file (by its size on
+    disk) when the corpus is larger than `tokenizer_sample_bytes`. Read record by record, so only the trainer's
+    word counts stay in memory. Bad records are fatal here already in strict mode."""
     total = sum(f.size for f in files)
-    share = min(1.0, options.tokenizer_sample_bytes / total) if total else 1.0
+    share = options.tokenizer_sample_bytes / total if total else 1.0
+    # a whole corpus that fits is used whole, however much its files' text outweighs their compressed size
+    budget = [share * f.size if share < 1.0 else math.inf for f in files]
     used = [0] * len(files)
     records_before = [0] * len(files)
     for piece in pieces:
         file = files[piece.file]
-        if used[piece.file] > share * file.size:
+        if used[piece.file] > budget[piece.file]:
             continue
-        contents = read_piece(file, piece, read)
-        for record in contents.records:
-            if record.text is None:
-                if options.strict:
-                    where = location(file, records_before[piece.file] + record.index, read)
-                    raise ZayaError(f"{where}: {record.problem}")
-                continue
-            data = record.text.encode("utf-8")
-            if not _is_val(data, options.val_fraction):
-                used[piece.file] += len(data)
-                yield record.text
-            if used[piece.file] > share * file.size:
-                break
-        records_before[piece.file] += contents.count
+        stream = stream_piece(file, piece, read)
+        try:
+            for record in stream:
+                if record.text is None:
+                    if options.strict:
+                        where = location(file, records_before[piece.file] + record.index, read)
+                        raise ZayaError(f"{where}: {record.problem}")
+                    continue
+                data = record.text.encode("utf-8")
+                if not _is_val(data, options.val_fraction):
+                    used[piece.file] += len(data)
+                    yield record.text
+                if used[piece.file] > budget[piece.file]:
+                    break  # the rest of this file is not needed: stop reading it
+        finally:
+            stream.close()
+        records_before[piece.file] += stream.count
 
 
 def _is_val(data: bytes, fraction: float) -> bool:
@@ -247,16 +289,19 @@ class _Job:
     read: ReadOptions
     files: tuple[InputFile, ...]  # the input file of each piece
     pieces: tuple[Piece, ...]
+    spill: str  # where the job's tokens go: a path prefix in the staging directory
 
 
 @dataclass
 class _Result:
-    tokens: dict[str, np.ndarray]
-    doc_lengths: dict[str, np.ndarray]
-    counts: list[int]  # record positions spanned by each piece
-    problems: list[tuple[int, int, str]]  # (piece, record within the piece, what is wrong)
-    invalid_utf8: list[tuple[int, int]]  # (piece, record within the piece)
-    text_bytes: int
+    tokens: SpilledTokens
+    counts: list[int] = field(default_factory=list)  # record positions spanned by each piece
+    # the first MAX_REPORTED_PROBLEMS of each, as (piece, record within the piece[, what is wrong])
+    problems: list[tuple[int, int, str]] = field(default_factory=list)
+    invalid_utf8: list[tuple[int, int]] = field(default_factory=list)
+    bad_records: int = 0
+    invalid_utf8_documents: int = 0
+    text_bytes: int = 0
     fatal: bool = False
 
 
@@ -274,19 +319,21 @@ class _Tally:
         if len(self.problems) < MAX_REPORTED_PROBLEMS:
             self.problems.append(message)
 
-    def corpus(self, num_files: int) -> dict:
-        return {"files": num_files, "text_bytes": self.text_bytes, "documents": self.documents,
-                "bad_records": self.bad_records, "invalid_utf8_documents": self.invalid_utf8}
+    def corpus(self) -> dict:
+        # What the documents are, not how they were packaged: the number of input files stays out of the
+        # manifest (and so out of the fingerprint); build.json records it.
+        return {"text_bytes": self.text_bytes, "documents": self.documents, "bad_records": self.bad_records,
+                "invalid_utf8_documents": self.invalid_utf8}
 
 
 def _tokenize(options: BuildOptions, files: Sequence[InputFile], pieces: Sequence[Piece], read: ReadOptions,
-              tokenizer_json: bytes, eos_id: int, writer: DatasetWriter, workers: int) -> _Tally:
+              tokenizer_json: bytes, eos_id: int, writer: DatasetWriter, workers: int, spill: Path) -> _Tally:
     total = sum(p.size for p in pieces)
     units = _units(pieces, _target_bytes(total, workers))
     jobs = [
         _Job(tokenizer_json, eos_id, writer.dtype, options.val_fraction, options.strict, read,
-             tuple(files[p.file] for p in unit), unit)
-        for unit in units
+             tuple(files[p.file] for p in unit), unit, str(spill / f"{i:07d}"))
+        for i, unit in enumerate(units)
     ]
     run = _run_order([sum(p.size for p in unit) for unit in units], workers)
     tally = _Tally()
@@ -297,10 +344,14 @@ def _tokenize(options: BuildOptions, files: Sequence[InputFile], pieces: Sequenc
         total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not options.progress
     ) as bar:
         for index, result in zip(run, mapper(_encode_job, [jobs[i] for i in run]), strict=True):
-            finished[index] = result
+            finished[index] = result  # only sizes and counts: the tokens wait on disk
             bar.update(sum(p.size for p in units[index]))
             while written in finished:  # results are written in input order, whatever order they ran in
-                _collect(jobs[written], finished.pop(written), tally, records_before, read, writer)
+                result = finished.pop(written)
+                try:
+                    _collect(jobs[written], result, tally, records_before, read, writer)
+                finally:
+                    result.tokens.remove()
                 written += 1
     return tally
 
@@ -322,17 +373,18 @@ def _collect(job: _Job, result: _Result, tally: _Tally, records_before: list[int
         where = location(job.files[i], records_before[job.pieces[i].file] + index, read)
         if result.fatal:
             raise ZayaError(f"{where}: {problem}")
-        tally.bad_records += 1
         tally.note(f"{where}: {problem}")
+    tally.bad_records += result.bad_records
     for i, index in result.invalid_utf8:
-        tally.invalid_utf8 += 1
         where = location(job.files[i], records_before[job.pieces[i].file] + index, read)
         tally.note(f"{where}: invalid UTF-8, replaced by U+FFFD")
+    tally.invalid_utf8 += result.invalid_utf8_documents
     for piece, count in zip(job.pieces, result.counts, strict=True):
         records_before[piece.file] += count
     for split in SPLITS:
-        writer.write(split, result.tokens[split], result.doc_lengths[split])
-        tally.documents += len(result.doc_lengths[split])
+        for tokens, doc_lengths in result.tokens.read(split):
+            writer.write(split, tokens, doc_lengths)
+            tally.documents += len(doc_lengths)
     tally.text_bytes += result.text_bytes
 
 
@@ -367,47 +419,90 @@ def _worker_tokenizer(tokenizer_json: bytes) -> Tokenizer:
 
 
 def _encode_job(job: _Job) -> _Result:
-    texts: dict[str, list[str]] = {split: [] for split in SPLITS}
-    result = _Result({}, {}, [], [], [], 0)
-    for i, (file, piece) in enumerate(zip(job.files, job.pieces, strict=True)):
-        contents = read_piece(file, piece, job.read)
-        result.counts.append(contents.count)
-        for record in contents.records:
-            if record.text is None:
-                result.problems.append((i, record.index, record.problem))
-                if job.strict:
-                    result.fatal = True
-                    return result
-                continue
-            if record.invalid_utf8:
-                result.invalid_utf8.append((i, record.index))
-            data = record.text.encode("utf-8")
-            result.text_bytes += len(data)
-            texts["val" if _is_val(data, job.val_fraction) else "train"].append(record.text)
-    tokenizer = _worker_tokenizer(job.tokenizer_json)
-    for split, documents in texts.items():
-        result.tokens[split], result.doc_lengths[split] = _encode(tokenizer, documents, job.eos_id, job.dtype)
+    """Read a job's pieces record by record, tokenize them a buffer at a time, and append the tokens to the
+    job's files; what returns to the main process is sizes, counts and the first few problems."""
+    spill = SpillWriter(job.spill, job.dtype)
+    result = _Result(spill.spilled)
+    buffer = _Buffer()
+    try:
+        for i, (file, piece) in enumerate(zip(job.files, job.pieces, strict=True)):
+            stream = stream_piece(file, piece, job.read)
+            for record in stream:
+                if record.text is None:
+                    result.bad_records += 1
+                    if len(result.problems) < MAX_REPORTED_PROBLEMS:
+                        result.problems.append((i, record.index, record.problem))
+                    if job.strict:
+                        result.fatal = True
+                        return result
+                    continue
+                if record.invalid_utf8:
+                    result.invalid_utf8_documents += 1
+                    if len(result.invalid_utf8) < MAX_REPORTED_PROBLEMS:
+                        result.invalid_utf8.append((i, record.index))
+                data = record.text.encode("utf-8")
+                result.text_bytes += len(data)
+                buffer.add("val" if _is_val(data, job.val_fraction) else "train", record.text, len(data))
+                if buffer.bytes >= _BUFFER_BYTES:
+                    buffer.flush(job, spill)
+            result.counts.append(stream.count)
+        buffer.flush(job, spill)
+    finally:
+        spill.close()
     return result
 
 
+@dataclass
+class _Buffer:
+    """A worker's documents waiting to be tokenized, per split."""
+
+    texts: dict[str, list[str]] = field(default_factory=lambda: {split: [] for split in SPLITS})
+    bytes: int = 0
+
+    def add(self, split: str, text: str, size: int) -> None:
+        self.texts[split].append(text)
+        self.bytes += size
+
+    def flush(self, job: _Job, spill: SpillWriter) -> None:
+        """Tokenize what is buffered and append it to the job's files."""
+        tokenizer = _worker_tokenizer(job.tokenizer_json)
+        for split, documents in self.texts.items():
+            if documents:
+                spill.write(split, *_encode(tokenizer, documents, job.eos_id, job.dtype))
+            documents.clear()
+        self.bytes = 0
+
+
 def _encode(tokenizer: Tokenizer, documents: list[str], eos_id: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Documents to one token array (each followed by `eos_id`) and the documents' lengths."""
+    """Documents to one token array (each followed by `eos_id`) and the documents' lengths.
+
+    The encoder is called on about `_ENCODE_CHARS` of text at a time and its results become arrays at once:
+    its per-token objects, and Python's per-id integers, would otherwise outweigh the text many times."""
     parts, owners = [], []
     for d, text in enumerate(documents):
         for part in _parts(text):
             parts.append(part)
             owners.append(d)
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets: faster, same ids
-    encodings = encode(parts, add_special_tokens=False)
-    ids: list[int] = []
+    eos = np.array([eos_id], dtype=np.uint32)
+    arrays: list[np.ndarray] = []
     lengths = np.zeros(len(documents), dtype=np.int64)
-    for p, (owner, encoding) in enumerate(zip(owners, encodings, strict=True)):
-        ids.extend(encoding.ids)
-        lengths[owner] += len(encoding.ids)
-        if p + 1 == len(owners) or owners[p + 1] != owner:
-            ids.append(eos_id)
-            lengths[owner] += 1
-    return np.array(ids, dtype=np.uint32).astype(dtype), lengths
+    start = 0
+    while start < len(parts):
+        stop, chars = start, 0
+        while stop < len(parts) and (stop == start or chars + len(parts[stop]) <= _ENCODE_CHARS):
+            chars += len(parts[stop])
+            stop += 1
+        for p, encoding in enumerate(encode(parts[start:stop], add_special_tokens=False), start=start):
+            ids = np.array(encoding.ids, dtype=np.uint32)
+            arrays.append(ids)
+            lengths[owners[p]] += len(ids)
+            if p + 1 == len(owners) or owners[p + 1] != owners[p]:
+                arrays.append(eos)
+                lengths[owners[p]] += 1
+        start = stop
+    tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.uint32)
+    return tokens.astype(dtype), lengths
 
 
 def _parts(text: str) -> Iterator[str]:
@@ -427,6 +522,7 @@ def _write_build_info(path: Path, options: BuildOptions, workers: int, report: B
                 if k not in ("out", "overwrite", "progress")}
     info = {
         "options": {**settings, "workers": workers},
+        "files": report.files,
         "seconds": round(report.seconds, 3),
         "text_bytes": report.text_bytes,
         "bad_records": report.bad_records,

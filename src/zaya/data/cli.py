@@ -3,7 +3,12 @@
     zaya data build --input corpus/ notes.jsonl --out data/mine          # trains an 8192-entry BPE
     zaya data build --input stdlib --out data/stdlib                    # the Python standard library
     zaya data build --input corpus/ --out data/mine --tokenizer tokenizer.json
+    zaya data build --input repo/ --include '*.py' --include '*.md' --exclude 'tests/**' --out data/code
+    zaya data build --input shards/ --out data/web                     # *.jsonl.zst, *.jsonl.gz, ...
+    zaya data build --input saved_dataset/ --split train --out data/hf  # a `save_to_disk` directory
     zaya data inspect data/mine --verify
+
+Every input kind and its options: docs/data.md.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from pathlib import Path
 import click
 
 from zaya.data.build import DEFAULT_TOKENIZER_SAMPLE_BYTES, DEFAULT_VAL_FRACTION, BuildOptions, build_dataset
-from zaya.data.shards import DEFAULT_SHARD_TOKENS, Dataset, open_dataset
+from zaya.data.shards import BUILD_FILE, DEFAULT_SHARD_TOKENS, Dataset, open_dataset
 from zaya.data.tokenizer import DEFAULT_VOCAB_SIZE, EOS_TOKEN
 from zaya.errors import ZayaError
 
@@ -27,7 +32,8 @@ def data() -> None:
 
 @data.command()
 @click.option("--input", "-i", "inputs", multiple=True, metavar="PATH",
-              help="A .txt, .jsonl or .parquet file, a directory of them, or 'stdlib' (the Python standard "
+              help="A .txt, .jsonl, .json, .csv, .tsv, .parquet or .arrow file (the text formats also .gz or "
+                   ".zst), a directory of them, a saved Hugging Face dataset, or 'stdlib' (the Python standard "
                    "library's source). Repeatable; further paths may follow as arguments.")
 @click.argument("more_inputs", nargs=-1, metavar="[PATH]...")
 @click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="The dataset directory to write.")
@@ -37,12 +43,21 @@ def data() -> None:
               help=f"Size of the BPE to train [default: {DEFAULT_VOCAB_SIZE}].")
 @click.option("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, show_default=True,
               help="Share of documents held out for validation, chosen by a hash of their text.")
-@click.option("--text-field", default="text", show_default=True, help="The text field of .jsonl and .parquet.")
+@click.option("--include", multiple=True, metavar="PATTERN",
+              help="Read only the files inside input directories that match this glob ('*.py', 'src/**/*.md'; "
+                   "matched against the relative path and the name), as text unless of a known kind. "
+                   "Repeatable.")
+@click.option("--exclude", multiple=True, metavar="PATTERN",
+              help="Skip the files and directories inside input directories that match this glob. Repeatable.")
+@click.option("--split", "dataset_split", default=None, metavar="NAME",
+              help="The split of a saved Hugging Face DatasetDict to read [default: train].")
+@click.option("--text-field", default="text", show_default=True,
+              help="The text field of JSON records, the text column of tables and CSV files.")
 @click.option("--doc-separator", default=None,
               help="Split .txt files into documents at this string (default: one document per file).")
 @click.option("--eos-token", default=EOS_TOKEN, show_default=True,
               help="The end-of-document token appended to each document.")
-@click.option("--strict", is_flag=True, help="Stop at the first bad jsonl/parquet record instead of skipping it.")
+@click.option("--strict", is_flag=True, help="Stop at the first bad record instead of skipping it.")
 @click.option("--bpe-sample-mb", type=click.IntRange(min=1), default=DEFAULT_TOKENIZER_SAMPLE_BYTES >> 20,
               show_default=True, help="Train the BPE on at most this much text, an even share of every file.")
 @click.option("--workers", type=int, default=0, help="Tokenizer processes [default: one per CPU core].")
@@ -51,8 +66,9 @@ def data() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing dataset at --out.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bars on stderr [default: when stderr is a terminal].")
-def build(inputs, more_inputs, out, tokenizer, vocab_size, val_fraction, text_field, doc_separator, eos_token,
-          strict, bpe_sample_mb, workers, shard_tokens, overwrite, progress) -> None:
+def build(inputs, more_inputs, out, tokenizer, vocab_size, val_fraction, include, exclude, dataset_split,
+          text_field, doc_separator, eos_token, strict, bpe_sample_mb, workers, shard_tokens, overwrite,
+          progress) -> None:
     """Tokenize text files into a dataset of token super-shards, a document index and a manifest."""
     if tokenizer is not None and vocab_size is not None:
         raise ZayaError("give --tokenizer or --vocab-size, not both")
@@ -64,6 +80,9 @@ def build(inputs, more_inputs, out, tokenizer, vocab_size, val_fraction, text_fi
         val_fraction=val_fraction,
         text_field=text_field,
         doc_separator=doc_separator,
+        include=include,
+        exclude=exclude,
+        split=dataset_split,
         eos_token=eos_token,
         strict=strict,
         tokenizer_sample_bytes=bpe_sample_mb << 20,
@@ -122,7 +141,20 @@ def _format(dataset: Dataset) -> str:
     for name, split in summary["splits"].items():
         lines.append(f"{name:<12} {split['num_tokens']:,} tokens, {split['num_documents']:,} documents, "
                      f"{split['shards']} shard{'s' if split['shards'] != 1 else ''}")
-    lines.append(f"corpus       {corpus['files']:,} files, {corpus['text_bytes'] / 1e6:.1f} MB of text, "
+    files = _input_files(dataset)
+    counted = "" if files is None else f"{files:,} files, "
+    lines.append(f"corpus       {counted}{corpus['text_bytes'] / 1e6:.1f} MB of text, "
                  f"{corpus['bad_records']} bad records skipped, {corpus['invalid_utf8_documents']} documents "
                  "with invalid UTF-8")
     return "\n".join(lines)
+
+
+def _input_files(dataset: Dataset) -> int | None:
+    """How many files the dataset was built from: build.json says (older manifests held it too)."""
+    if "files" in dataset.manifest["corpus"]:
+        return dataset.manifest["corpus"]["files"]
+    try:
+        files = json.loads((dataset.path / BUILD_FILE).read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None  # build.json is informative only; a dataset without it is still whole
+    return files if isinstance(files, int) else None

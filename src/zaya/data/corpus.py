@@ -1,112 +1,112 @@
 """The inputs of a build: finding the files and reading them as documents.
 
 An input is a file, a directory (searched recursively in sorted order, hidden entries skipped) or the word
-`stdlib` (write `./stdlib` for a directory of that name). Three kinds of file are read:
+`stdlib` (write `./stdlib` for a directory of that name). These kinds of file are read:
 
 - `.txt`: the whole file is one document or, with a document separator, each non-blank piece between
   separators is one;
 - `.jsonl`: each line is a JSON object whose text field (`text` unless configured) is one document;
-- `.parquet`: each row's text column is one document (needs pyarrow, an optional dependency).
+- `.json`: a JSON array of such objects, or JSON lines (`json_array.py`);
+- `.csv`, `.tsv`: each row's text column is one document (`delimited.py`);
+- `.parquet`, `.arrow`: each row's text column is one document, and a directory written by the Hugging Face
+  `datasets` library's `save_to_disk` is read as its arrow files (`tables.py`; needs pyarrow);
+- any of the text formats compressed, `.gz` or `.zst`/`.zstd` (`compressed.py`; zstd needs zstandard).
+
+Inside a directory, `Selection` (`--include` / `--exclude` patterns, `patterns.py`) decides which files are
+read: without include patterns, every file of a kind above; with them, only the matching files, those of
+no known kind read as text (one file, one document, like `.txt`).
 
 `stdlib` stands for the `.py` files of the running interpreter's standard library, read like `.txt` files:
 real code that every machine has, which makes it the default demo corpus. Its test suites (`test`, `tests`
 and `idle_test` directories, about 60% of its bytes) and any `site-packages` are left out; what remains is
 about 12 MB of source, which a two-core machine turns into a dataset in well under a minute.
 
-Files are read in pieces that can be handled independently (byte ranges cut at record boundaries, or parquet
-row groups), so a large file is spread over several worker processes. Bad text never stops a build: invalid
-UTF-8 is replaced by U+FFFD and the document counted. A jsonl line that is not a JSON object with a string
-text field is a bad record, returned with its position so the caller can report it by file and line.
+Files are read in pieces that can be handled independently (byte ranges cut at record boundaries, parquet
+row groups, runs of arrow record batches), so a large file is spread over several worker processes; a file
+that cannot be cut (compressed, CSV, a JSON array) is one piece, read as a stream. Every piece is read lazily
+(`stream_piece`), record by record. Bad text never stops a build: invalid UTF-8 is replaced by U+FFFD and
+the document counted. A record that is not a JSON object with a string text field, or a null cell, is a bad
+record, returned with its position so the caller can report it by file and line.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sysconfig
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import closing
 from pathlib import Path
+from typing import BinaryIO
 
+from zaya.data import tables
+from zaya.data.compressed import COMPRESSIONS, jsonl_stream, open_decompressed, text_stream, zstandard_module
+from zaya.data.delimited import delimited_stream, header_column
+from zaya.data.json_array import array_stream, sniff
+from zaya.data.patterns import Selection
+from zaya.data.records import (
+    InputFile,
+    Piece,
+    PieceContents,
+    ReadOptions,
+    Record,
+    RecordStream,
+    json_record,
+    text_record,
+)
 from zaya.errors import ZayaError
 
+__all__ = [
+    "KINDS",
+    "STDLIB",
+    "InputFile",
+    "Piece",
+    "PieceContents",
+    "ReadOptions",
+    "Record",
+    "RecordStream",
+    "Selection",
+    "discover",
+    "location",
+    "read_piece",
+    "split_file",
+    "stdlib_files",
+    "stream_piece",
+]
+
 STDLIB = "stdlib"
-KINDS = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
+KINDS = {".txt": "text", ".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
+         ".parquet": "parquet", ".arrow": "arrow"}
+# the kinds read as a byte stream, which may therefore also come compressed
+_STREAM_KINDS = frozenset({"text", "jsonl", "json", "csv", "tsv"})
+_KNOWN = ".txt, .jsonl, .json, .csv, .tsv, .parquet or .arrow, or a compressed .gz/.zst"
 # Test suites make up most of the standard library's source; leaving them out keeps the demo corpus small.
 _STDLIB_SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 _SCAN_BYTES = 1 << 16
 
 
-@dataclass(frozen=True)
-class InputFile:
-    """One file to read: its path, its kind ("text", "jsonl" or "parquet") and its size in bytes."""
-
-    path: Path
-    kind: str
-    size: int
-
-
-@dataclass(frozen=True)
-class ReadOptions:
-    """How documents are found inside files."""
-
-    text_field: str = "text"
-    doc_separator: str | None = None
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A part of one input file that can be read on its own.
-
-    For text and jsonl files `start`/`stop` are byte offsets cut at record boundaries; for parquet files they
-    are a range of row groups. `size` is the number of bytes on disk, for balancing work and progress."""
-
-    file: int
-    start: int
-    stop: int
-    size: int
-
-
-@dataclass(frozen=True)
-class Record:
-    """One record of a piece: a document (`text`) or a bad record (`problem`), at `index` within the piece.
-
-    Indices count lines of a jsonl piece, rows of a parquet piece and documents of a text piece; blank lines
-    and blank documents are counted but not returned."""
-
-    index: int
-    text: str | None
-    problem: str | None = None
-    invalid_utf8: bool = False
-
-
-@dataclass
-class PieceContents:
-    """The records of a piece and how many record positions it spans, for numbering the next piece."""
-
-    records: list[Record] = field(default_factory=list)
-    count: int = 0
-
-
 # ---- finding the files ----------------------------------------------------------------------------------
 
 
-def discover(inputs: Sequence[str | Path]) -> list[InputFile]:
-    """The files named by `inputs`, in order: directories expanded in sorted order, duplicates dropped.
+def discover(inputs: Sequence[str | Path], selection: Selection | None = None,
+             split: str | None = None) -> list[InputFile]:
+    """The files named by `inputs`, in order: directories expanded in sorted order (their files chosen by
+    `selection`), `datasets` directories into their arrow files (`split` picks a DatasetDict's split,
+    `train` by default), duplicates dropped.
 
     Raises a `ZayaError` for a missing path, an explicitly named file of an unsupported type, a directory
-    without readable files, or parquet input without pyarrow installed."""
+    without readable files, or an input whose optional dependency is not installed."""
     if not inputs:
         raise ZayaError("no inputs given: name files, directories or 'stdlib'")
+    selection = selection or Selection()
     seen: set[Path] = set()
     files: list[InputFile] = []
     for item in inputs:
-        for path in _expand(item):
+        for path, kind, compression in _expand(item, selection, split):
             key = path.resolve()
             if key not in seen:
                 seen.add(key)
-                files.append(_input_file(path))
+                files.append(_input_file(path, kind, compression))
     return files
 
 
@@ -116,20 +116,75 @@ def stdlib_files() -> list[Path]:
     return [path for path in _walk(root, _STDLIB_SKIPPED_DIRS) if path.suffix == ".py"]
 
 
-def _expand(item: str | Path) -> list[Path]:
+def kind_of(name: str) -> tuple[str, str | None] | None:
+    """The kind and compression a file name says (`data.jsonl.zst`: jsonl, zstd), or None if unknown."""
+    stem, suffix = os.path.splitext(name.lower())
+    compression = COMPRESSIONS.get(suffix)
+    if compression is not None:
+        kind = KINDS.get(os.path.splitext(stem)[1])
+        return (kind, compression) if kind in _STREAM_KINDS else None
+    kind = KINDS.get(suffix)
+    return None if kind is None else (kind, None)
+
+
+def _as_text(name: str) -> tuple[str, str | None]:
+    """A file chosen by --include and of no known kind: text, decompressed if its name says so."""
+    return "text", COMPRESSIONS.get(os.path.splitext(name.lower())[1])
+
+
+Found = tuple[Path, str, str | None]
+
+
+def _expand(item: str | Path, selection: Selection, split: str | None) -> list[Found]:
     if str(item) == STDLIB:
-        return stdlib_files()
+        return [(path, "text", None) for path in stdlib_files()]
     path = Path(item)
     if path.is_dir():
-        found = [p for p in _walk(path, frozenset()) if p.suffix.lower() in KINDS]
+        if tables.is_dataset_directory(path):
+            return [(p, "arrow", None) for p in tables.dataset_files(path, split)]
+        found = list(_scan(path, selection, split))
         if not found:
-            raise ZayaError(f"{path}: no .txt, .jsonl or .parquet files in this directory")
+            if selection.include:
+                excluded = " and --exclude" if selection.exclude else ""
+                raise ZayaError(f"{path}: no files in this directory match --include "
+                                f"{' '.join(selection.include)}{excluded}")
+            raise ZayaError(f"{path}: no .txt, .jsonl or .parquet files in this directory (nor .json, .csv, .tsv, "
+                            ".arrow, compressed files or saved datasets); --include PATTERN reads any file as text")
         return found
     if not path.exists():
         raise ZayaError(f"{path}: no such file or directory")
-    if path.suffix.lower() not in KINDS:
-        raise ZayaError(f"{path}: unsupported file type '{path.suffix}' (expected .txt, .jsonl or .parquet)")
-    return [path]
+    known = kind_of(path.name)
+    if known is None:
+        if selection.included(path.name):
+            return [(path, *_as_text(path.name))]
+        suffix = "".join(path.suffixes[-2:]) if path.suffix.lower() in COMPRESSIONS else path.suffix
+        raise ZayaError(f"{path}: unsupported file type '{suffix}' (expected {_KNOWN}; --include "
+                        f"'*{path.suffix}' reads such files as text)")
+    return [(path, *known)]
+
+
+def _scan(root: Path, selection: Selection, split: str | None) -> Iterator[Found]:
+    """The selected files under `root`, sorted directory by directory; a saved dataset inside is one entry
+    for the patterns, read as its arrow files."""
+    for directory, dirnames, filenames in os.walk(root):
+        here = Path(directory)
+        relative = here.relative_to(root).as_posix()
+        if here != root and tables.is_dataset_directory(here):
+            dirnames[:] = []
+            if not selection.include or selection.included(relative):
+                yield from ((p, "arrow", None) for p in tables.dataset_files(here, split))
+            continue
+        prefix = "" if relative == "." else f"{relative}/"
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not selection.excluded(prefix + d))
+        for name in sorted(filenames):
+            if name.startswith(".") or selection.excluded(prefix + name):
+                continue
+            known = kind_of(name)
+            if selection.include:
+                if selection.included(prefix + name):
+                    yield (here / name, *(known or _as_text(name)))
+            elif known is not None:
+                yield (here / name, *known)
 
 
 def _walk(root: Path, skipped_dirs: frozenset[str]) -> Iterator[Path]:
@@ -140,24 +195,44 @@ def _walk(root: Path, skipped_dirs: frozenset[str]) -> Iterator[Path]:
                 yield Path(directory) / name
 
 
-def _input_file(path: Path) -> InputFile:
-    kind = KINDS.get(path.suffix.lower(), "text")  # stdlib's .py files are read as text
+def _input_file(path: Path, kind: str, compression: str | None) -> InputFile:
     try:
         size = path.stat().st_size
     except OSError as exc:
         raise ZayaError(f"{path}: cannot read ({exc.strerror})") from None
     if kind == "parquet":
-        _parquet_module(path)
-    return InputFile(path, kind, size)
+        tables.parquet_module(path)
+    elif kind == "arrow":
+        tables.arrow_module(path)
+    if compression == "zstd":
+        zstandard_module(path)
+    if kind == "json":
+        with closing(_byte_stream(path, compression)) as stream:
+            kind = sniff(stream, path)  # an array, or JSON lines read like .jsonl
+    return InputFile(path, kind, size, compression)
 
 
 # ---- cutting files into pieces --------------------------------------------------------------------------
 
 
+def streamed(file: InputFile) -> bool:
+    """Whether a file is read as one piece, front to back: compressed, CSV, or a JSON array."""
+    return file.compression is not None or file.kind in ("json", "csv", "tsv")
+
+
 def split_file(file: InputFile, index: int, options: ReadOptions, target_bytes: int) -> list[Piece]:
-    """Cut the file at record boundaries into pieces of about `target_bytes` (`index` is its input number)."""
+    """Cut the file at record boundaries into pieces of about `target_bytes` (`index` is its input number).
+
+    Checks what can be checked before reading: a table's or CSV header's text column, a file's format."""
     if file.kind == "parquet":
-        return _parquet_pieces(file, index, options)
+        return tables.parquet_pieces(file, index, options)
+    if file.kind == "arrow":
+        return tables.arrow_pieces(file, index, options, target_bytes)
+    if file.kind in ("csv", "tsv"):
+        with closing(_byte_stream(file.path, file.compression)) as stream:
+            header_column(stream, file.path, file.kind, options.text_field)
+    if streamed(file):
+        return [Piece(index, 0, file.size, file.size)]
     separator = b"\n" if file.kind == "jsonl" else _separator_bytes(options)
     if separator is None or file.size <= target_bytes:
         return [Piece(index, 0, file.size, file.size)]
@@ -198,32 +273,39 @@ def _separator_bytes(options: ReadOptions) -> bytes | None:
 # ---- reading pieces -------------------------------------------------------------------------------------
 
 
-def read_piece(file: InputFile, piece: Piece, options: ReadOptions) -> PieceContents:
-    """The records of one piece of `file`. Unreadable files raise a `ZayaError`; bad records do not."""
+def stream_piece(file: InputFile, piece: Piece, options: ReadOptions) -> RecordStream:
+    """The records of one piece of `file`, read as they are iterated (never the whole piece at once for a
+    streamed file). Unreadable or damaged files raise a `ZayaError`; bad records do not."""
     if file.kind == "parquet":
-        return _read_parquet(file, piece, options)
-    with _open(file.path) as handle:
-        try:
-            handle.seek(piece.start)
-            raw = handle.read(piece.stop - piece.start)
-        except OSError as exc:
-            raise ZayaError(f"{file.path}: cannot read ({exc.strerror})") from None
-    if file.kind == "jsonl":
-        return _jsonl_records(raw.split(b"\n"), options.text_field)
-    separator = _separator_bytes(options)
-    if separator is None:
-        return _text_records([raw])
-    parts = raw.split(separator)
-    if len(parts) > 1 and not parts[-1]:
-        parts.pop()  # the piece ends with a separator
-    return _text_records(parts)
+        return RecordStream(tables.parquet_stream(file, piece, options))
+    if file.kind == "arrow":
+        return RecordStream(tables.arrow_stream(file, piece, options))
+    if file.compression is not None and file.kind == "jsonl":
+        return RecordStream(jsonl_stream(file.path, file.compression, options.text_field))
+    if file.compression is not None and file.kind == "text":
+        return RecordStream(text_stream(file.path, file.compression, _separator_bytes(options)))
+    if file.kind == "json":
+        return RecordStream(_over_stream(file, lambda s: array_stream(s, file.path, options.text_field)))
+    if file.kind in ("csv", "tsv"):
+        return RecordStream(_over_stream(
+            file, lambda s: delimited_stream(s, file.path, file.kind, options.text_field)))
+    return RecordStream(_byte_range(file, piece, options))
+
+
+def read_piece(file: InputFile, piece: Piece, options: ReadOptions) -> PieceContents:
+    """The records of one piece of `file`, all at once (`stream_piece` reads them lazily)."""
+    stream = stream_piece(file, piece, options)
+    records = list(stream)
+    return PieceContents(records, stream.count)
 
 
 def location(file: InputFile, record: int, options: ReadOptions) -> str:
     """Where record number `record` (0-based, counted over the whole file) is, for messages."""
-    if file.kind == "jsonl":
+    if file.kind in ("jsonl", "csv", "tsv"):  # CSV records are numbered by the line they start on
         return f"{file.path}:{record + 1}"
-    if file.kind == "parquet":
+    if file.kind == "json":
+        return f"{file.path}: element {record + 1}"
+    if file.kind in ("parquet", "arrow"):
         return f"{file.path}: row {record + 1}"
     if options.doc_separator:
         return f"{file.path}: document {record + 1}"
@@ -237,119 +319,36 @@ def _open(path: Path):
         raise ZayaError(f"{path}: cannot read ({exc.strerror})") from None
 
 
-def _text_records(parts: list[bytes]) -> PieceContents:
-    contents = PieceContents(count=len(parts))
-    for index, part in enumerate(parts):
-        if part and not part.isspace():
-            text, invalid = _decode(part)
-            contents.records.append(Record(index, text, invalid_utf8=invalid))
-    return contents
+def _byte_stream(path: Path, compression: str | None) -> BinaryIO:
+    return _open(path) if compression is None else open_decompressed(path, compression)
 
 
-def _jsonl_records(lines: list[bytes], text_field: str) -> PieceContents:
-    if lines and not lines[-1]:
-        lines.pop()  # the piece ends with a newline
-    contents = PieceContents(count=len(lines))
-    for index, line in enumerate(lines):
-        if not line.strip():
-            continue
-        raw, invalid = _decode(line)
+def _over_stream(file: InputFile, reader) -> Generator[Record, None, int]:
+    with closing(_byte_stream(file.path, file.compression)) as stream:
+        return (yield from reader(stream))
+
+
+def _byte_range(file: InputFile, piece: Piece, options: ReadOptions) -> Generator[Record, None, int]:
+    """A plain text or jsonl piece: its bytes are read at once (a piece is a few MB, or one document)."""
+    with _open(file.path) as handle:
         try:
-            value = json.loads(raw)
-        except ValueError as exc:
-            contents.records.append(Record(index, None, f"not valid JSON ({exc})"))
-            continue
-        if not isinstance(value, dict):
-            contents.records.append(Record(index, None, f"expected a JSON object, got {type(value).__name__}"))
-        elif text_field not in value:
-            contents.records.append(Record(index, None, f"no field '{text_field}'"))
-        elif not isinstance(value[text_field], str):
-            kind = type(value[text_field]).__name__
-            contents.records.append(Record(index, None, f"field '{text_field}' is {kind}, not a string"))
-        elif value[text_field]:
-            text, bad_escape = _clean(value[text_field])
-            contents.records.append(Record(index, text, invalid_utf8=invalid or bad_escape))
-    return contents
-
-
-def _decode(raw: bytes) -> tuple[str, bool]:
-    try:
-        return raw.decode("utf-8"), False
-    except UnicodeDecodeError:
-        return raw.decode("utf-8", "replace"), True
-
-
-def _clean(text: str) -> tuple[str, bool]:
-    """JSON escapes can produce lone surrogates, which are not text; they become U+FFFD like invalid UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace"), True
-    return text, False
-
-
-# ---- parquet ------------------------------------------------------------------------------------------
-
-
-def _parquet_module(path: Path):
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ZayaError(f"{path}: reading .parquet files needs pyarrow (pip install pyarrow)") from None
-    return pq
-
-
-def _parquet_file(path: Path):
-    pq = _parquet_module(path)
-    try:
-        return pq.ParquetFile(path)
-    except OSError as exc:
-        raise ZayaError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except Exception as exc:  # pyarrow raises ArrowInvalid (a ValueError) and friends for corrupt files
-        raise ZayaError(f"{path}: not a readable parquet file ({str(exc).splitlines()[0]})") from None
-
-
-def _parquet_pieces(file: InputFile, index: int, options: ReadOptions) -> list[Piece]:
-    parquet = _parquet_file(file.path)
-    import pyarrow as pa  # present: _parquet_file checked
-
-    schema = parquet.schema_arrow
-    if options.text_field not in schema.names:
-        columns = ", ".join(schema.names)
-        raise ZayaError(f"{file.path}: no column '{options.text_field}' (columns: {columns})")
-    column_type = schema.field(options.text_field).type
-    textual = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
-    if not any(check(column_type) for check in textual):
-        raise ZayaError(f"{file.path}: column '{options.text_field}' holds {column_type}, not text")
-    metadata = parquet.metadata
-    return [
-        Piece(index, group, group + 1, metadata.row_group(group).total_byte_size)
-        for group in range(metadata.num_row_groups)
-    ]
-
-
-def _read_parquet(file: InputFile, piece: Piece, options: ReadOptions) -> PieceContents:
-    parquet = _parquet_file(file.path)
-    values: list = []
-    try:
-        for group in range(piece.start, piece.stop):
-            table = parquet.read_row_group(group, columns=[options.text_field])
-            values.extend(table.column(0).to_pylist())
-    except OSError as exc:
-        raise ZayaError(f"{file.path}: cannot read ({exc.strerror or exc})") from None
-    return _parquet_records(values, options.text_field)
-
-
-def _parquet_records(values: Iterable[str | bytes | None], text_field: str) -> PieceContents:
-    contents = PieceContents()
-    for index, value in enumerate(values):
-        contents.count += 1
-        if value is None:
-            contents.records.append(Record(index, None, f"field '{text_field}' is null"))
-        elif isinstance(value, bytes):
-            if value and not value.isspace():
-                text, invalid = _decode(value)
-                contents.records.append(Record(index, text, invalid_utf8=invalid))
-        elif value:
-            contents.records.append(Record(index, value))
-    return contents
+            handle.seek(piece.start)
+            raw = handle.read(piece.stop - piece.start)
+        except OSError as exc:
+            raise ZayaError(f"{file.path}: cannot read ({exc.strerror})") from None
+    if file.kind == "jsonl":
+        parts = raw.split(b"\n")
+        if parts and not parts[-1]:
+            parts.pop()  # the piece ends with a newline
+        maker = lambda i, part: json_record(i, part, options.text_field)  # noqa: E731
+    else:
+        separator = _separator_bytes(options)
+        parts = [raw] if separator is None else raw.split(separator)
+        if len(parts) > 1 and not parts[-1]:
+            parts.pop()  # the piece ends with a separator
+        maker = text_record
+    for index, part in enumerate(parts):
+        record = maker(index, part)
+        if record is not None:
+            yield record
+    return len(parts)

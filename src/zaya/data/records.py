@@ -1,0 +1,162 @@
+"""What every reader of a build's inputs produces: pieces of files, and the records read from them.
+
+A reader turns a piece of an input file into `Record`s: documents, or bad records with what is wrong and
+where. The checks that decide which is which live here, shared by every format, so that the same document
+reads the same whether it comes from a `.jsonl` line, a JSON array, a parquet or arrow row or a CSV cell:
+
+- a text value is a document unless it is empty; raw bytes (plain text files, binary columns) must also not be
+  only whitespace;
+- invalid UTF-8 and the lone surrogates JSON escapes can produce become U+FFFD, and the document is flagged;
+- a JSON record must be an object whose text field is a string; a column value must not be null.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One file to read: its path, its kind, its size in bytes on disk and how it is compressed.
+
+    Kinds are "text", "jsonl", "json" (a JSON array of objects), "csv", "tsv", "parquet" and "arrow";
+    `compression` is None, "gzip" or "zstd"."""
+
+    path: Path
+    kind: str
+    size: int
+    compression: str | None = None
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How documents are found inside files."""
+
+    text_field: str = "text"
+    doc_separator: str | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A part of one input file that can be read on its own.
+
+    For plain text and jsonl files `start`/`stop` are byte offsets cut at record boundaries; for parquet files
+    a range of row groups, for arrow files a range of record batches; a streamed file (compressed, CSV, a JSON
+    array) is one piece from 0 to its size. `size` is the number of bytes on disk, for balancing work and
+    progress."""
+
+    file: int
+    start: int
+    stop: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record of a piece: a document (`text`) or a bad record (`problem`), at `index` within the piece.
+
+    Indices count lines of a jsonl piece, rows of a table or CSV piece, elements of a JSON array and documents
+    of a text piece; blank records are counted but not returned."""
+
+    index: int
+    text: str | None
+    problem: str | None = None
+    invalid_utf8: bool = False
+
+
+@dataclass
+class PieceContents:
+    """The records of a piece and how many record positions it spans, for numbering the next piece."""
+
+    records: list[Record] = field(default_factory=list)
+    count: int = 0
+
+
+class RecordStream:
+    """The records of a piece, read lazily from a generator that returns the piece's record count.
+
+    Iterate it once; `count` is final when the iteration ends. Breaking off early closes the generator, and
+    with it the file it reads."""
+
+    def __init__(self, records: Generator[Record, None, int]) -> None:
+        self._records = records
+        self.count = 0
+
+    def __iter__(self) -> Iterator[Record]:
+        self.count = yield from self._records
+
+    def close(self) -> None:
+        """Stop reading and release the file."""
+        self._records.close()
+
+
+def decode(raw: bytes) -> tuple[str, bool]:
+    """Bytes as text, and whether they held invalid UTF-8 (replaced by U+FFFD)."""
+    try:
+        return raw.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", "replace"), True
+
+
+def clean(text: str) -> tuple[str, bool]:
+    """Text without surrogates, and whether it had some.
+
+    JSON escapes can produce lone surrogates, and text decoded with `surrogateescape` holds invalid UTF-8 as
+    surrogates; neither is text, so both become U+FFFD, exactly as decoding the raw bytes would."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace"), True
+    return text, False
+
+
+def text_record(index: int, raw: bytes) -> Record | None:
+    """A document of raw bytes, or None if it is blank."""
+    if not raw or raw.isspace():
+        return None
+    text, invalid = decode(raw)
+    return Record(index, text, invalid_utf8=invalid)
+
+
+def object_record(index: int, value: Any, text_field: str, invalid_utf8: bool = False) -> Record | None:
+    """The document of one parsed JSON value (a bad record unless an object with a string text field), or
+    None for an empty text. `invalid_utf8` says the JSON source already had invalid UTF-8."""
+    if not isinstance(value, dict):
+        return Record(index, None, f"expected a JSON object, got {type(value).__name__}")
+    if text_field not in value:
+        return Record(index, None, f"no field '{text_field}'")
+    text = value[text_field]
+    if not isinstance(text, str):
+        return Record(index, None, f"field '{text_field}' is {type(text).__name__}, not a string")
+    if not text:
+        return None
+    text, bad_escape = clean(text)
+    return Record(index, text, invalid_utf8=invalid_utf8 or bad_escape)
+
+
+def json_record(index: int, raw: bytes, text_field: str) -> Record | None:
+    """The document of one JSON text (a jsonl line or an array element), a bad record, or None if blank."""
+    if not raw.strip():
+        return None
+    source, invalid = decode(raw)
+    try:
+        value = json.loads(source)
+    except ValueError as exc:
+        return Record(index, None, f"not valid JSON ({exc})")
+    return object_record(index, value, text_field, invalid)
+
+
+def column_record(index: int, value: str | bytes | None, text_field: str) -> Record | None:
+    """The document of one table cell: a bad record if null, None if empty."""
+    if value is None:
+        return Record(index, None, f"field '{text_field}' is null")
+    if isinstance(value, bytes):
+        return text_record(index, value)
+    if not value:
+        return None
+    text, invalid = clean(value)
+    return Record(index, text, invalid_utf8=invalid)

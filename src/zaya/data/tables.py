@@ -1,0 +1,253 @@
+"""Columnar inputs: parquet files, Arrow IPC files and Hugging Face `datasets` directories.
+
+Each row's text column (`--text-field`) is one document. The natural pieces are the format's own blocks:
+a parquet file's row groups, an arrow file's record batches (grouped up to the target piece size). Reading is
+batch by batch, `_ROWS` rows at a time, so a piece never sits in memory whole: arrow files are memory-mapped
+(their pages are the operating system's file cache, dropped under pressure, not the build's memory) and
+parquet row groups are decoded in batches.
+
+An arrow file may be in the IPC stream format (what `datasets` writes, and what
+`load_dataset("arrow", ...)` reads) or the IPC file format (Feather v2). A `datasets` directory is what
+`Dataset.save_to_disk` writes (`state.json`, `dataset_info.json` and `data-*.arrow` files, listed in order
+in `state.json`) or `DatasetDict.save_to_disk` (`dataset_dict.json` and one such directory per split).
+
+All of this needs pyarrow (an optional dependency; `datasets` brings it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator, Iterator
+from pathlib import Path
+
+from zaya.data.records import InputFile, Piece, ReadOptions, Record, column_record
+from zaya.errors import ZayaError
+
+DATASET_STATE = "state.json"
+DATASET_INFO = "dataset_info.json"
+DATASET_DICT = "dataset_dict.json"
+DEFAULT_SPLIT = "train"
+_ROWS = 1024  # rows converted to Python strings at a time
+_IPC_FILE_MAGIC = b"ARROW1"
+
+
+# ---- Hugging Face `datasets` directories -------------------------------------------------------------
+
+
+def is_dataset_directory(path: Path) -> bool:
+    """Whether a directory was written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
+    return (path / DATASET_DICT).is_file() or ((path / DATASET_STATE).is_file() and (path / DATASET_INFO).is_file())
+
+
+def dataset_files(path: Path, split: str | None) -> list[Path]:
+    """The arrow files of a saved dataset, in order; of a saved DatasetDict, those of `split` (`train` when
+    None)."""
+    if (path / DATASET_DICT).is_file():
+        splits = _read_json(path / DATASET_DICT).get("splits")
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise ZayaError(f"{path / DATASET_DICT}: field 'splits' must be a list of split names")
+        chosen = split or DEFAULT_SPLIT
+        if chosen not in splits:
+            hint = "" if split else "; choose one with --split"
+            raise ZayaError(f"{path}: no split '{chosen}' (splits: {', '.join(splits)}){hint}")
+        path = path / chosen
+    state_path = path / DATASET_STATE
+    entries = _read_json(state_path).get("_data_files")
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("filename"), str)
+                                                for e in entries):
+        raise ZayaError(f"{state_path}: field '_data_files' must be a list of {{\"filename\": ...}} objects")
+    files = []
+    for entry in entries:
+        name = entry["filename"]
+        if Path(name).name != name:
+            raise ZayaError(f"{state_path}: data file {name!r} must be a plain file name")
+        if not (path / name).is_file():
+            raise ZayaError(f"{path / name}: no such file (listed in {state_path})")
+        files.append(path / name)
+    return files
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ZayaError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ZayaError(f"{path}: cannot read ({exc.strerror})") from None
+    except ValueError as exc:
+        raise ZayaError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ZayaError(f"{path}: expected a JSON object")
+    return value
+
+
+# ---- pyarrow ------------------------------------------------------------------------------------------
+
+
+def parquet_module(path: Path):
+    """`pyarrow.parquet`, or a one-line error saying how to install it."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ZayaError(f"{path}: reading .parquet files needs pyarrow (pip install pyarrow)") from None
+    return pq
+
+
+def arrow_module(path: Path):
+    """`pyarrow`, or a one-line error saying how to install it."""
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise ZayaError(f"{path}: reading arrow files needs pyarrow (pip install 'zaya-stack[corpora]')") from None
+    return pa
+
+
+def _check_text_column(path: Path, schema, text_field: str) -> None:
+    import pyarrow as pa  # present: the caller opened the file with it
+
+    if text_field not in schema.names:
+        raise ZayaError(f"{path}: no column '{text_field}' (columns: {', '.join(schema.names)})")
+    column_type = schema.field(text_field).type
+    textual = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
+    if not any(check(column_type) for check in textual):
+        raise ZayaError(f"{path}: column '{text_field}' holds {column_type}, not text")
+
+
+def _unreadable(path: Path, what: str, exc: Exception) -> ZayaError:
+    if isinstance(exc, OSError) and exc.strerror:
+        return ZayaError(f"{path}: cannot read ({exc.strerror})")
+    # pyarrow raises ArrowInvalid (a ValueError) and friends for damaged files
+    return ZayaError(f"{path}: not a readable {what} file ({str(exc).splitlines()[0] if str(exc) else exc!r})")
+
+
+def _column_records(values: Iterator[list], text_field: str) -> Generator[Record, None, int]:
+    index = 0
+    for chunk in values:
+        for value in chunk:
+            record = column_record(index, value, text_field)
+            if record is not None:
+                yield record
+            index += 1
+    return index
+
+
+# ---- parquet ------------------------------------------------------------------------------------------
+
+
+def _parquet_file(path: Path):
+    pq = parquet_module(path)
+    try:
+        return pq.ParquetFile(path)
+    except Exception as exc:
+        raise _unreadable(path, "parquet", exc) from None
+
+
+def parquet_pieces(file: InputFile, index: int, options: ReadOptions) -> list[Piece]:
+    """One piece per row group; checks the text column first."""
+    parquet = _parquet_file(file.path)
+    _check_text_column(file.path, parquet.schema_arrow, options.text_field)
+    metadata = parquet.metadata
+    return [Piece(index, group, group + 1, metadata.row_group(group).total_byte_size)
+            for group in range(metadata.num_row_groups)]
+
+
+def parquet_stream(file: InputFile, piece: Piece, options: ReadOptions) -> Generator[Record, None, int]:
+    """The rows of a piece's row groups, decoded `_ROWS` at a time."""
+    parquet = _parquet_file(file.path)
+    batches = parquet.iter_batches(batch_size=_ROWS, row_groups=list(range(piece.start, piece.stop)),
+                                   columns=[options.text_field])
+    return (yield from _column_records(_guarded(file.path, "parquet", batches), options.text_field))
+
+
+def _guarded(path: Path, what: str, batches) -> Iterator[list]:
+    try:
+        for batch in batches:
+            yield batch.column(0).to_pylist()
+    except Exception as exc:
+        raise _unreadable(path, what, exc) from None
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+
+
+# ---- arrow IPC ----------------------------------------------------------------------------------------
+
+
+class _ArrowReader:
+    """An arrow file's record batches, memory-mapped, in either IPC format."""
+
+    def __init__(self, path: Path) -> None:
+        pa = arrow_module(path)
+        self.path = path
+        try:
+            self._map = pa.memory_map(str(path))
+            self._stream = self._map.read(len(_IPC_FILE_MAGIC)) != _IPC_FILE_MAGIC
+            self._map.seek(0)
+            if self._stream:
+                self._reader = pa.ipc.open_stream(self._map)
+            else:
+                self._reader = pa.ipc.open_file(self._map)
+        except Exception as exc:
+            self.close()
+            raise _unreadable(path, "arrow", exc) from None
+        self.schema = self._reader.schema
+
+    def batches(self, start: int = 0, stop: int | None = None) -> Iterator:
+        """Record batches [start, stop); a stream is read from its beginning (skipping costs only headers)."""
+        try:
+            if not self._stream:
+                end = self._reader.num_record_batches if stop is None else stop
+                for i in range(start, end):
+                    yield self._reader.get_batch(i)
+                return
+            for i, batch in enumerate(self._reader):
+                if stop is not None and i >= stop:
+                    return
+                if i >= start:
+                    yield batch
+        except Exception as exc:
+            raise _unreadable(self.path, "arrow", exc) from None
+
+    def close(self) -> None:
+        mapped = getattr(self, "_map", None)
+        if mapped is not None:
+            mapped.close()
+
+
+def arrow_pieces(file: InputFile, index: int, options: ReadOptions, target_bytes: int) -> list[Piece]:
+    """Consecutive record batches grouped into pieces of about `target_bytes`; checks the text column."""
+    reader = _ArrowReader(file.path)
+    try:
+        _check_text_column(file.path, reader.schema, options.text_field)
+        pieces: list[Piece] = []
+        start, size, count = 0, 0, 0
+        for count, batch in enumerate(reader.batches(), start=1):
+            size += batch.nbytes
+            if size >= target_bytes:
+                pieces.append(Piece(index, start, count, size))
+                start, size = count, 0
+        if start < count or not pieces:
+            pieces.append(Piece(index, start, count, size))
+        return pieces
+    finally:
+        reader.close()
+
+
+def arrow_stream(file: InputFile, piece: Piece, options: ReadOptions) -> Generator[Record, None, int]:
+    """The rows of a piece's record batches, `_ROWS` at a time."""
+    reader = _ArrowReader(file.path)
+    try:
+        _check_text_column(file.path, reader.schema, options.text_field)
+        column = reader.schema.get_field_index(options.text_field)
+        return (yield from _column_records(_sliced(reader.batches(piece.start, piece.stop), column),
+                                           options.text_field))
+    finally:
+        reader.close()
+
+
+def _sliced(batches: Iterator, column: int) -> Iterator[list]:
+    for batch in batches:
+        values = batch.column(column)
+        for offset in range(0, len(values), _ROWS):
+            yield values.slice(offset, _ROWS).to_pylist()
