@@ -276,10 +276,10 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, a
         trainer = Trainer(config, run_dir, allow_data_change=allow_data_change, launch=launch)
     last = trainer.run()
     if trainer.stopped:
-        from zaya.train.preemption import EXIT_PREEMPTED
+        from zaya.train.preemption import EXIT_PREEMPTED, STOPPED_LINE
 
         if trainer.launch.is_main:
-            click.echo(f"stopped at step {trainer.state.step} ({trainer.stopped}); exit code {EXIT_PREEMPTED}: "
+            click.echo(f"{STOPPED_LINE} {trainer.state.step} ({trainer.stopped}); exit code {EXIT_PREEMPTED}: "
                        f"resubmit the same command to resume; run directory {run_dir}")
         raise click.exceptions.Exit(EXIT_PREEMPTED)
     if not last:

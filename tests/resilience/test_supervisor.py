@@ -3,6 +3,7 @@ a crash that repeats, bad input. Each test runs real processes under one deadlin
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from multiprocess import run_command
 from zaya.cli import main
 from zaya.resilience.incidents import read_incidents
 from zaya.resilience.processes import descendants, process_state
-from zaya.resilience.supervisor import EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_STOPPED
+from zaya.resilience.supervisor import EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_PREEMPTED, EXIT_STOPPED
 from zaya.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -269,3 +270,40 @@ def test_a_hang_the_policy_only_logs_is_recorded_once_and_the_run_goes_on(tmp_pa
     (logged,) = incidents  # the command never writes a heartbeat: an init hang at every poll after 0.5 s
     assert logged["signal"] == "hang" and logged["action"] == "log" and "no rank wrote a heartbeat" in \
         logged["evidence"][0]
+
+
+def test_a_stopped_supervisor_lets_the_trainers_checkpoint_and_the_rerun_is_bitwise_the_same(dataset, tmp_path,
+                                                                                            reference):
+    """What a scheduler does before its time limit: SIGTERM to the supervisor, which passes it on to the group."""
+    run, state = tmp_path / "run", tmp_path / "state"
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY)
+    args = [sys.executable, "-m", "zaya.cli", "supervise", "--policy", str(policy), "--state-dir", str(state), "--",
+            *_torchrun(_config(tmp_path, dataset), run)]
+    supervisor = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", "ZAYA_FAULTS": "slow=0.3@step:0"},
+                                  start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not any(r["step"] >= 4 for r in read_metrics(run)) and time.time() < deadline:
+            time.sleep(0.1)
+        supervisor.send_signal(signal.SIGTERM)
+        out, _ = supervisor.communicate(timeout=120)
+    finally:
+        if supervisor.poll() is None:
+            os.killpg(supervisor.pid, signal.SIGKILL)
+    assert supervisor.returncode == 128 + signal.SIGTERM, out[-4000:]
+    last = max(r["step"] for r in read_metrics(run))
+    assert 4 <= last < STEPS and f"checkpoint step {last}" in (run / "train.log").read_text(), out[-4000:]
+    result, _, _ = _supervise(tmp_path, _torchrun(_config(tmp_path, dataset), run), name="again")
+    assert result.returncode == 0, result.stdout[-4000:]
+    _assert_bitwise(run, reference)
+
+
+def test_a_run_that_stops_for_its_time_limit_is_not_restarted(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 10_000, "max_time_s": 30.0,
+                                                                 "eval_every": 0}, checkpoint={"every": 1000})
+    command = [sys.executable, "-m", "zaya.cli", "train", str(config), "--run-dir", str(tmp_path / "run")]
+    result, _, incidents = _supervise(tmp_path, command, timeout=200)
+    assert result.returncode == EXIT_PREEMPTED, result.stdout[-3000:] + result.stderr[-3000:]
+    assert incidents == [] and "stopped early with a checkpoint" in result.stdout

@@ -122,16 +122,19 @@ def test_sigterm_from_outside_at_any_moment(dataset, tmp_path):
     _assert_same_run(tmp_path / "straight", run)
 
 
-def test_a_second_signal_ends_the_process_at_once(dataset, tmp_path):
+def test_more_signals_change_nothing(dataset, tmp_path):
+    """A scheduler signals every process of the job and torchrun passes its copy on: duplicates are the rule."""
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 50})
     run = tmp_path / "run"
-    process = _start(config, run, {"ZAYA_FAULTS": "slow=2@step:2"})  # steps of 2 s: room for two signals in one
+    process = _start(config, run, {"ZAYA_FAULTS": "slow=1@step:2"})  # steps of 1 s: room for several signals
     _wait_for_step(process, run, 2)
-    process.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    process.send_signal(signal.SIGTERM)
-    _finish(process, 60)
-    assert process.returncode == -signal.SIGTERM
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGTERM):
+        process.send_signal(sig)
+        time.sleep(0.1)
+    _out, err = _finish(process, 60)
+    assert process.returncode == EXIT_PREEMPTED, err
+    last = max(r["step"] for r in read_metrics(run))
+    assert _committed(run) == last < 50 and f"stopping at step {last} on SIGTERM" in (run / "train.log").read_text()
 
 
 @pytest.mark.slow
@@ -158,12 +161,13 @@ def test_max_time_s_stops_in_time_with_a_checkpoint(dataset, tmp_path):
                           checkpoint={"every": 1000})
     started = time.time()
     result = _train(config, tmp_path / "run", env={"ZAYA_FAULTS": "slow=0.2@step:0"})
-    elapsed = time.time() - started
     assert result.returncode == EXIT_PREEMPTED, result.stderr
-    assert elapsed < 40.0 + 3.0  # the process's own start-up counts against the limit; + its exit
     last = max(r["step"] for r in read_metrics(tmp_path / "run"))
     assert 1 <= last < 10_000 and _committed(tmp_path / "run") == last
-    assert "train.max_time_s = 40 s" in (tmp_path / "run" / "train.log").read_text()
+    (line,) = [x for x in (tmp_path / "run" / "train.log").read_text().splitlines() if "train.max_time_s = 40 s" in x]
+    # stopped, checkpoint committed, within the limit counted from the process's start (start-up counts too)
+    stopped = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
+    assert stopped - started <= 40.0 + 1.0  # the log's clock has whole seconds
 
 
 def test_a_time_budget_times_the_decay_and_ends_the_run(dataset, tmp_path):

@@ -1,6 +1,6 @@
 """The supervisor's policy: a TOML file of settings and rules; the first rule that matches a finding decides.
 
-    [supervisor]                  poll_s, max_no_progress (K), max_restarts, kill_grace_s, kernel_log
+    [supervisor]                  poll_s, max_no_progress (K), max_restarts, kill_grace_s, stop_grace_s, kernel_log
     [heartbeat]                   factor, floor_s, first_timeout_s, init_timeout_s (zaya.resilience.heartbeat)
     [training]                    what the trainer watches itself: spike_ratio, spike_window, spike_min_history,
                                   spike_skip_steps, max_skipped_steps, straggler_ratio, straggler_min_s
@@ -51,7 +51,10 @@ class SupervisorSettings:
     poll_s: float = 1.0
     max_no_progress: int = 3  # K: restarts in a row that get no further than the one before
     max_restarts: int = 100
-    kill_grace_s: float = 10.0  # SIGTERM first, SIGKILL after this
+    kill_grace_s: float = 10.0  # after a failure: SIGTERM first, SIGKILL after this
+    # when the supervisor itself is stopped (SIGTERM, SIGINT): the time the trainers get to finish their step and
+    # write a checkpoint before SIGKILL
+    stop_grace_s: float = 120.0
     # a command whose output is the kernel log (e.g. ["dmesg", "--time-format", "iso"]); what it adds while
     # a run lasts is classified with the run's own log; [] reads no kernel log
     kernel_log: list[str] = field(default_factory=list)

@@ -18,7 +18,9 @@ highest step makes no progress; `supervisor.max_no_progress` such runs in a row 
 
 Exit codes (EXIT_*): 0 training finished; 2 bad input (ours, or the trainer's before its first step);
 3 no progress after K restarts; 4 stopped by policy (a `stop` rule, or this node cordoned); 5 nothing left to
-run on (every GPU cordoned, or `supervisor.max_restarts` spent); 130/143 interrupted (SIGINT/SIGTERM).
+run on (every GPU cordoned, or `supervisor.max_restarts` spent); 75 the trainer stopped early with a checkpoint
+(train.max_time_s, or a scheduler's signal: resubmit to resume); 130/143 interrupted (SIGINT/SIGTERM: the group
+gets SIGTERM and `supervisor.stop_grace_s` to finish its step and write a checkpoint).
 
 The state directory (shared by the supervisors of all nodes of a job, on a shared filesystem):
 
@@ -56,6 +58,7 @@ from zaya.resilience.incidents import IncidentLog
 from zaya.resilience.policy import TRAINING_ACTIONS, Policy
 from zaya.resilience.probes import build_probes
 from zaya.resilience.processes import descendants, process_state, signal_all
+from zaya.train.preemption import EXIT_PREEMPTED, STOPPED_LINE
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -265,6 +268,12 @@ class Supervisor:
                 self._note_progress(watcher)
                 self.say(f"run {self.attempt}: finished")
                 return EXIT_OK
+            if outcome.code == EXIT_PREEMPTED or any(STOPPED_LINE in line for line in list(tail)[-20:]):
+                # torchrun reports a worker's exit 75 as a failure of its own: the trainer's line tells
+                self._note_progress(watcher)
+                _kill(process, watcher, graceful=True, grace=settings.kill_grace_s)
+                self.say(f"run {self.attempt}: stopped early with a checkpoint; resubmit to resume")
+                return EXIT_PREEMPTED
             detected = time.time()
             finding, action = outcome.finding, outcome.action
             if finding is None:  # the group died on its own
@@ -277,8 +286,10 @@ class Supervisor:
                     return EXIT_BAD_INPUT
                 rule = self.policy.decide(finding)
                 action = "restart" if rule.action in (*TRAINING_ACTIONS, "log") else rule.action
-            _kill(process, watcher, graceful=finding.signal != "hang", grace=settings.kill_grace_s)
-            if finding.signal == "interrupted":
+            interrupted = finding.signal == "interrupted"
+            _kill(process, watcher, graceful=finding.signal != "hang",
+                  grace=settings.stop_grace_s if interrupted else settings.kill_grace_s)
+            if interrupted:
                 return 128 + self._stop.value
             progressed = self._run_best > self.best_step
             self.best_step = max(self.best_step, self._run_best)
@@ -388,5 +399,5 @@ def supervise(command: list[str], policy_file: Path | None = None, state_dir: Pa
     return supervisor.run()
 
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_EXHAUSTED", "EXIT_NO_PROGRESS", "EXIT_OK", "EXIT_STOPPED", "Supervisor",
-           "ZayaError", "supervise"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_EXHAUSTED", "EXIT_NO_PROGRESS", "EXIT_OK", "EXIT_PREEMPTED", "EXIT_STOPPED",
+           "Supervisor", "ZayaError", "supervise"]

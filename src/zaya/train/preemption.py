@@ -4,8 +4,10 @@ resumes with nothing lost; a time budget times the learning-rate decay.
 
     SIGTERM, SIGUSR1      what schedulers send before they kill (Slurm's `--signal`, Kubernetes, torchrun
                           passing on its own SIGTERM): the current step finishes, a checkpoint is written,
-                          exit 75. A second signal of the same kind ends the process at once (the last
-                          committed checkpoint is intact: commits are atomic).
+                          exit 75. More of them change nothing: a scheduler signals every process of the
+                          job and torchrun passes its copy on, so duplicates are the rule. Whoever cannot
+                          wait sends SIGKILL (SIGINT, Ctrl-C, still interrupts at once); the last committed
+                          checkpoint is intact either way, as commits are atomic.
     train.max_time_s      a wall-clock limit counted from the job's start (`time_origin`): the run stops
                           when the time left no longer covers one more step and a checkpoint (the slowest
                           recent step, the last save's duration), also with exit 75.
@@ -28,14 +30,14 @@ from dataclasses import dataclass
 # sysexits' EX_TEMPFAIL, "a temporary failure; the user is invited to retry": not 0 (the run is not done),
 # not 1 (nothing went wrong), not 2 (bad input), not 128 + N (it did not die of the signal)
 EXIT_PREEMPTED = 75
+STOPPED_LINE = "stopped at step"  # how `zaya train` starts the line it prints then (a supervisor looks for it)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _RECENT = 10  # steps whose times estimate the next one's
 
 
 class StopRequest:
-    """Catches SIGTERM and SIGUSR1 while training: the first one only records the request, a second one of the
-    same kind takes the default action (the process ends). Inert outside the main thread (Python delivers
-    signals to it alone), where it cannot install handlers."""
+    """Catches SIGTERM and SIGUSR1 while training and records the first. Inert outside the main thread
+    (Python delivers signals to it alone), where it cannot install handlers."""
 
     def __init__(self) -> None:
         self.signal: signal.Signals | None = None
@@ -55,11 +57,8 @@ class StopRequest:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame) -> None:
-        if self.signal is not None and self.signal.value == signum:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.signal = signal.Signals(signum)
+        if self.signal is None:
+            self.signal = signal.Signals(signum)
 
     @property
     def requested(self) -> bool:
