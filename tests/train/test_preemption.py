@@ -188,3 +188,27 @@ def test_a_time_budget_times_the_decay_and_ends_the_run(dataset, tmp_path):
     line = next(x for x in (tmp_path / "run" / "train.log").read_text().splitlines() if "time budget" in x)
     assert f"from step {start} to step {end}" in line
     json.dumps(state)  # the decision travels in the checkpoint
+
+
+@pytest.mark.slow
+def test_torchrun_passes_sigusr1_on_as_the_slurm_example_sets_it_up(dataset, tmp_path):
+    """examples/slurm/train.sbatch: USR1 to torchrun, which hands it to its workers (--signals-to-handle)."""
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 60}, checkpoint={"every": 50})
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "--max-restarts=0", "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+               "--shutdown-timeout", "60", "-m", "zaya.cli", "train", str(config), "--run-dir", str(run)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "ZAYA_FAULTS": "slow=0.3@step:0"},
+                               start_new_session=True)
+    try:
+        _wait_for_step(process, run, 3, timeout=180)
+        process.send_signal(signal.SIGUSR1)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    last = max(r["step"] for r in read_metrics(run))
+    assert 3 <= last < 60 and _committed(run) == last, err[-4000:]
+    assert f"stopping at step {last} on SIGUSR1" in (run / "train.log").read_text()
+    assert f"exit code {EXIT_PREEMPTED}" in out
