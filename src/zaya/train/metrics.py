@@ -1,8 +1,11 @@
-"""Training metrics: one JSON object per line in `metrics.jsonl`, the same scalars in TensorBoard, and a
-progress bar with loss, tokens/s and ETA.
+"""Training metrics: one JSON object per line in `metrics.jsonl`, the same scalars in TensorBoard, the rows
+in an optional sink (Weights & Biases: zaya.train.wandb_sink), and a progress bar with loss, tokens/s and ETA.
 
 On resume from step S the log is cut back to the rows of steps <= S (and TensorBoard purges later steps),
 so that the loss curve of a resumed run is the curve of an uninterrupted one.
+
+The progress bar counts steps to `total_steps`, or, for a run with a time budget (`progress_seconds` > 0),
+seconds of training to the budget, so that its ETA is the time the run has left.
 """
 
 from __future__ import annotations
@@ -11,12 +14,17 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
+if TYPE_CHECKING:
+    from zaya.train.wandb_sink import WandbSink
+
 METRICS_FILE = "metrics.jsonl"
+# the seconds bar: no rate (it would read "1.00s/s"); the step goes in the postfix
+SECONDS_BAR = "{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]"
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -49,15 +57,20 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
 
 
 class MetricsLogger:
-    """Writes metric rows to `metrics.jsonl` and TensorBoard (rank 0 only) and drives the progress bar."""
+    """Writes metric rows to `metrics.jsonl`, TensorBoard and the sink (rank 0 only) and drives the progress bar.
+
+    `sink` (a WandbSink, or None) is owned from here on: `close()` closes it."""
 
     def __init__(self, run_dir: Path, *, start_step: int, total_steps: int, tensorboard: bool, progress: bool,
-                 enabled: bool = True):
+                 enabled: bool = True, sink: WandbSink | None = None, progress_seconds: float = 0.0,
+                 seconds_done: float = 0.0):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._file = None
         self._writer = None
         self._bar = None
+        self._sink = sink
+        self._seconds = progress_seconds > 0
         if not enabled:
             return
         truncate_metrics(self.run_dir, start_step)
@@ -66,7 +79,10 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
-        if progress:
+        if progress and self._seconds:
+            self._bar = tqdm(total=progress_seconds, initial=min(seconds_done, progress_seconds), unit="s",
+                             bar_format=SECONDS_BAR, dynamic_ncols=True, disable=None, leave=True)
+        elif progress:
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                              disable=None, leave=True)
 
@@ -83,12 +99,22 @@ class MetricsLogger:
                     self._writer.add_scalar(key, value, clean["step"])
                 elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
                     self._writer.add_histogram(key, torch.tensor(value, dtype=torch.float64), clean["step"])
+        if self._sink is not None:
+            self._sink.log(clean)
 
-    def progress(self, step: int, postfix: dict[str, str]) -> None:
-        if self._bar is not None:
+    def progress(self, step: int, postfix: dict[str, str], seconds: float | None = None) -> None:
+        """Move the bar to `step`, or with a time budget to `seconds` of training (the step then leads the
+        postfix)."""
+        if self._bar is None:
+            return
+        if self._seconds:
+            if seconds is not None:
+                self._bar.n = min(float(seconds), self._bar.total)
+            postfix = {"step": f"{step:,}", **postfix}
+        else:
             self._bar.n = step
-            self._bar.set_postfix(postfix, refresh=False)
-            self._bar.refresh()
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.refresh()
 
     def message(self, text: str) -> None:
         """A line of text above the progress bar (or on stderr without one)."""
@@ -99,13 +125,36 @@ class MetricsLogger:
         else:
             tqdm.write(text)
 
+    def finish(self, run_dir: Path | None = None) -> None:
+        """At the end of a run: the report's plots (zaya.report, written to RUN_DIR/report) to the sink, as
+        images. Needs matplotlib; a failure to plot is reported in one line and never fails the run."""
+        if not self.enabled or self._sink is None:
+            return
+        try:
+            import matplotlib  # noqa: F401  (the report's plots need it)
+        except ImportError:
+            self.message("W&B: no report plots (matplotlib is not installed: pip install 'zaya-stack[report]')")
+            return
+        try:
+            from zaya.report.report import build_report
+
+            figures = build_report(run_dir or self.run_dir).figures
+            self._sink.log_images({path.stem: path for path in figures})
+        except Exception as exc:  # the run itself is done and saved: a plot must not fail it
+            self.message(f"W&B: the report plots failed ({type(exc).__name__}: {exc}); training is unaffected")
+
     def close(self) -> None:
+        """Close the bar, TensorBoard, the log and the sink (which marks its run failed if an exception is being
+        raised)."""
         if self._bar is not None:
             self._bar.close()
         if self._writer is not None:
             self._writer.close()
         if self._file is not None:
             self._file.close()
+        if self._sink is not None:
+            sink, self._sink = self._sink, None
+            sink.close()
 
 
 def _jsonable(value: Any) -> Any:
