@@ -15,6 +15,7 @@ import torch
 
 from zaya.device import resolve_device
 from zaya.errors import ZayaError
+from zaya.infer.hf_files import present_hf_files, write_hf_files
 from zaya.model.config import ZayaConfig
 from zaya.model.hf import (
     TensorSource,
@@ -132,9 +133,16 @@ def load_model(
     return model.eval()
 
 
-def export_hf(model: Zaya, directory: str | Path, *, tokenizer: Path | None = None) -> None:
-    """Write `model` as an HF-native directory (config.json + model.safetensors [+ tokenizer.json]) that
-    `transformers.AutoModelForCausalLM.from_pretrained` loads with no missing or unexpected keys."""
+def export_hf(model: Zaya, directory: str | Path, *, tokenizer: Path | None = None,
+              source: Path | None = None) -> None:
+    """Write `model` as an HF-native directory that `transformers.AutoModelForCausalLM.from_pretrained` loads
+    with no missing or unexpected keys: config.json, model.safetensors and generation_config.json, and with a
+    `tokenizer` (a tokenizer.json) also tokenizer.json, tokenizer_config.json and special_tokens_map.json, so
+    that `AutoTokenizer`, pipelines and `lm_eval --model hf` load it as it is.
+
+    `source` is the directory the model came from (a zaya checkpoint or an HF directory): the tokenizer and
+    generation files it has are written unchanged, and a training checkpoint's sequence length and dataset
+    end-of-document token inform those made here (`zaya.infer.hf_files`)."""
     directory = Path(directory)
     _fresh_output(directory)
     tmp = directory.with_name(directory.name + ".tmp")
@@ -144,8 +152,11 @@ def export_hf(model: Zaya, directory: str | Path, *, tokenizer: Path | None = No
         state = {name: tensor.to(dtype) for name, tensor in model.state_dict().items()}
         save_hf_state(tmp, state, model.config, layout="native")
         checkpoint.write_json(tmp / "config.json", native_config_json(model.config, dtype))
-        if tokenizer is not None and tokenizer.is_file():
-            shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+        copied = None
+        if tokenizer is not None and Path(tokenizer).is_file():
+            copied = tmp / TOKENIZER_FILE
+            shutil.copyfile(tokenizer, copied)
+        write_hf_files(tmp, model.config, copied, source=source)
         tmp.rename(directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -155,7 +166,8 @@ def export_hf(model: Zaya, directory: str | Path, *, tokenizer: Path | None = No
 def convert(src: str | Path, dst: str | Path, *, layout: LayoutChoice = "auto") -> str:
     """Convert between an HF directory and our checkpoint format; the direction follows from `src`.
 
-    Returns "hf->zaya" or "zaya->hf".
+    The tokenizer and its HF files (tokenizer_config.json, special_tokens_map.json, generation_config.json)
+    travel with the weights both ways. Returns "hf->zaya" or "zaya->hf".
     """
     src, kind = resolve_model_dir(src)
     dst = Path(dst)
@@ -165,9 +177,9 @@ def convert(src: str | Path, dst: str | Path, *, layout: LayoutChoice = "auto") 
     tokenizer = src / TOKENIZER_FILE
     if kind == "hf":
         extra = [tokenizer] if tokenizer.is_file() else []
-        checkpoint.save_model_checkpoint(dst, model, model.config, extra_files=extra)
+        checkpoint.save_model_checkpoint(dst, model, model.config, extra_files=extra + present_hf_files(src))
         return "hf->zaya"
-    export_hf(model, dst, tokenizer=tokenizer)
+    export_hf(model, dst, tokenizer=tokenizer, source=src)
     return "zaya->hf"
 
 

@@ -1,0 +1,241 @@
+"""The files besides config.json and the weights that every Hugging Face tool expects in a model directory.
+
+    tokenizer_config.json     tokenizer class, the special tokens, whether encoding adds bos/eos, max length
+    special_tokens_map.json   the special tokens alone
+    generation_config.json    bos/eos/pad token ids for `generate` and pipelines
+
+Without tokenizer_config.json, `AutoTokenizer` guesses a tokenizer class from the model type and its default
+`<unk>`, which a byte-level BPE does not have, and fails on the first encode; with these files
+`AutoTokenizer`, `AutoModelForCausalLM`, `pipeline("text-generation")` and `lm_eval --model hf` load the
+directory with no extra arguments.
+
+The special tokens are the ones the tokenizer really has: a role (bos, eos, pad) takes the model config's id
+when that id is a special token of the tokenizer, eos the end-of-document id of the dataset the model was
+trained on when the checkpoint says which, unk the BPE model's unknown token if it has one. A model imported
+from Hugging Face keeps its own files: they are carried in the checkpoint and written back unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from zaya.errors import ZayaError
+from zaya.infer.tokenizer import TOKENIZER_FILE, load_tokenizer
+from zaya.model.config import ZayaConfig
+from zaya.train.checkpoint_files import read_json
+
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_FILE = "special_tokens_map.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+HF_FILES = (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE, GENERATION_CONFIG_FILE)
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+ROLES = ("bos", "eos", "pad", "unk")
+_PROBE = "a"
+
+
+@dataclass(frozen=True)
+class Token:
+    """A special token: its text and its id in the tokenizer."""
+
+    text: str
+    id: int
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """A tokenizer's special tokens as Hugging Face tools see them (None: the tokenizer has no such token),
+    and whether encoding a text adds bos in front or eos at the end."""
+
+    bos: Token | None = None
+    eos: Token | None = None
+    pad: Token | None = None
+    unk: Token | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+
+    def tokens(self) -> dict[str, Token]:
+        """The roles the tokenizer has, e.g. {"bos": Token("<bos>", 2), ...}."""
+        return {role: getattr(self, role) for role in ROLES if getattr(self, role) is not None}
+
+
+@dataclass(frozen=True)
+class TrainingHints:
+    """What a training checkpoint knows about its tokenizer: the longest sequence length it was trained at
+    and the dataset's end-of-document id (when the dataset is still there and has the same tokenizer)."""
+
+    seq_len: int | None = None
+    eos_id: int | None = None
+
+
+# ---- what a tokenizer has -----------------------------------------------------------------------------
+
+
+def derive_special_tokens(tokenizer: Tokenizer, config: ZayaConfig, eos_id: int | None = None) -> SpecialTokens:
+    """The special tokens of a tokenizer made by (or for) zaya, from the model config's ids."""
+    specials = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+    def pick(token_id: int | None, must_be_special: bool = True) -> Token | None:
+        if token_id is None:
+            return None
+        text = specials.get(token_id) if must_be_special else tokenizer.id_to_token(token_id)
+        return Token(text, token_id) if text is not None else None
+
+    eos = pick(eos_id, must_be_special=False) or pick(config.eos_token_id)
+    unk_text = _model_unk_token(tokenizer)
+    unk_id = tokenizer.token_to_id(unk_text) if unk_text is not None else None
+    bos = pick(config.bos_token_id)
+    add_bos, add_eos = _added_on_encode(tokenizer, bos, eos)
+    return SpecialTokens(bos=bos, eos=eos, pad=pick(config.pad_token_id),
+                         unk=Token(unk_text, unk_id) if unk_id is not None else None, add_bos=add_bos, add_eos=add_eos)
+
+
+def read_special_tokens(tokenizer_config: dict, tokenizer: Tokenizer, source: Path | str) -> SpecialTokens:
+    """The special tokens a tokenizer_config.json names (strings or {"content": ...} entries); `source` names
+    the file in errors."""
+    found: dict[str, Token | None] = {}
+    for role in ROLES:
+        value = tokenizer_config.get(f"{role}_token")
+        text = value.get("content") if isinstance(value, dict) else value
+        if text is not None and not isinstance(text, str):
+            raise ZayaError(f"{source}: field '{role}_token' must be a string, got {text!r}")
+        # a token the vocabulary lacks (a stock "<unk>", say) is one the tokenizer cannot produce
+        token_id = tokenizer.token_to_id(text) if text is not None else None
+        found[role] = Token(text, token_id) if token_id is not None else None
+    add_bos, add_eos = _added_on_encode(tokenizer, found["bos"], found["eos"])
+    return SpecialTokens(**found, add_bos=bool(tokenizer_config.get("add_bos_token", add_bos)),
+                         add_eos=bool(tokenizer_config.get("add_eos_token", add_eos)))
+
+
+def special_tokens_of(model_dir: Path, tokenizer: Tokenizer, config: ZayaConfig) -> SpecialTokens:
+    """The special tokens of the tokenizer of a model directory (an HF directory or a zaya checkpoint): those
+    of its tokenizer_config.json if it has one, else derived as an export would write them."""
+    path = Path(model_dir) / TOKENIZER_CONFIG_FILE
+    if path.is_file():
+        return read_special_tokens(read_json(path), tokenizer, path)
+    return derive_special_tokens(tokenizer, config, training_hints(model_dir).eos_id)
+
+
+def training_hints(checkpoint_dir: Path) -> TrainingHints:
+    """Sequence length and end-of-document id from a training checkpoint's train_state.json (empty hints for
+    any other directory, or when the run's config does not say)."""
+    from zaya.train.checkpoint import TRAIN_STATE_FILE
+
+    directory = Path(checkpoint_dir)
+    state_path = directory / TRAIN_STATE_FILE
+    if not state_path.is_file():
+        return TrainingHints()
+    run = read_json(state_path).get("config")
+    if not isinstance(run, dict):
+        return TrainingHints()
+    data = run.get("data") or {}
+    phases = [p for p in run.get("phases") or [] if isinstance(p, dict)]
+    lengths = [n for n in [data.get("seq_len"), *(p.get("seq_len") for p in phases)] if isinstance(n, int) and n > 0]
+    sources = [data.get("path"), *(s.get("path") for p in phases for s in p.get("sources") or [])]
+    return TrainingHints(seq_len=max(lengths) if lengths else None,
+                         eos_id=_dataset_eos_id([s for s in sources if isinstance(s, str)], directory))
+
+
+# ---- writing them -------------------------------------------------------------------------------------
+
+
+def tokenizer_config_json(specials: SpecialTokens, model_max_length: int) -> dict:
+    """tokenizer_config.json for `PreTrainedTokenizerFast` over the directory's tokenizer.json."""
+    data = {"tokenizer_class": TOKENIZER_CLASS, "model_max_length": model_max_length,
+            "add_bos_token": specials.add_bos, "add_eos_token": specials.add_eos,
+            # the tokenizers library decodes without it; HF's clean-up would change " ." into "."
+            "clean_up_tokenization_spaces": False}
+    data.update({f"{role}_token": token.text for role, token in specials.tokens().items()})
+    return data
+
+
+def special_tokens_map_json(specials: SpecialTokens) -> dict:
+    """special_tokens_map.json: each role's token text."""
+    return {f"{role}_token": token.text for role, token in specials.tokens().items()}
+
+
+def generation_config_json(specials: SpecialTokens | None, config: ZayaConfig) -> dict:
+    """generation_config.json: the tokenizer's bos/eos/pad ids (the model config's without a tokenizer)."""
+    if specials is None:
+        ids = {"bos": config.bos_token_id, "eos": config.eos_token_id, "pad": config.pad_token_id}
+    else:
+        ids = {role: token.id for role, token in specials.tokens().items() if role != "unk"}
+    return {f"{role}_token_id": token_id for role, token_id in ids.items() if token_id is not None}
+
+
+def write_hf_files(directory: Path, config: ZayaConfig, tokenizer_path: Path | None = None,
+                   source: Path | None = None) -> None:
+    """Write the three files into `directory` (which holds, or is about to hold, `tokenizer_path` as its
+    tokenizer.json). Those that `source` (the model's checkpoint or HF directory) has are copied unchanged;
+    the others are made from the tokenizer, the model config and what `source` knows about its training."""
+    directory = Path(directory)
+    preserved = {name for name in HF_FILES if source is not None and (Path(source) / name).is_file()}
+    for name in preserved:
+        shutil.copyfile(Path(source) / name, directory / name)
+    specials = None
+    if tokenizer_path is not None and Path(tokenizer_path).is_file():
+        tokenizer = load_tokenizer(tokenizer_path)
+        hints = training_hints(source) if source is not None else TrainingHints()
+        if TOKENIZER_CONFIG_FILE in preserved:
+            specials = read_special_tokens(read_json(directory / TOKENIZER_CONFIG_FILE), tokenizer,
+                                           Path(source) / TOKENIZER_CONFIG_FILE)
+        else:
+            specials = derive_special_tokens(tokenizer, config, hints.eos_id)
+        made = {TOKENIZER_CONFIG_FILE: tokenizer_config_json(specials, hints.seq_len or config.max_position_embeddings),
+                SPECIAL_TOKENS_FILE: special_tokens_map_json(specials)}
+        for name, data in made.items():
+            if name not in preserved:
+                _write_json(directory / name, data)
+    if GENERATION_CONFIG_FILE not in preserved:
+        _write_json(directory / GENERATION_CONFIG_FILE, generation_config_json(specials, config))
+
+
+def present_hf_files(directory: Path) -> list[Path]:
+    """The files of HF_FILES that `directory` holds (to carry into a checkpoint)."""
+    return [Path(directory) / name for name in HF_FILES if (Path(directory) / name).is_file()]
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+
+
+def _model_unk_token(tokenizer: Tokenizer) -> str | None:
+    unk = json.loads(tokenizer.to_str()).get("model", {}).get("unk_token")
+    return unk if isinstance(unk, str) else None
+
+
+def _added_on_encode(tokenizer: Tokenizer, bos: Token | None, eos: Token | None) -> tuple[bool, bool]:
+    """Whether the tokenizer's post-processor puts bos in front of, or eos after, an encoded text."""
+    plain = tokenizer.encode(_PROBE, add_special_tokens=False).ids
+    full = tokenizer.encode(_PROBE, add_special_tokens=True).ids
+    added = len(full) > len(plain)
+    return (added and bos is not None and full[0] == bos.id), (added and eos is not None and full[-1] == eos.id)
+
+
+def _dataset_eos_id(paths: list[str], checkpoint_dir: Path) -> int | None:
+    """The end-of-document id of the first dataset whose tokenizer is the checkpoint's own."""
+    from zaya.data.shards import MANIFEST_FILE
+
+    tokenizer = checkpoint_dir / TOKENIZER_FILE
+    if not tokenizer.is_file():
+        return None
+    digest = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    for path in paths:
+        manifest = Path(path) / MANIFEST_FILE
+        if not manifest.is_file():
+            continue
+        try:
+            info = json.loads(manifest.read_text(encoding="utf-8")).get("tokenizer") or {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue  # a hint, not a requirement: a damaged dataset just does not inform the export
+        if info.get("sha256") == digest and isinstance(info.get("eos_id"), int):
+            return info["eos_id"]
+    return None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
