@@ -293,19 +293,50 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, a
 @cli.command(name="eval")
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path),
               help="An HF directory, a zaya checkpoint or a run directory.")
-@click.option("--data", "data_path", required=True, type=click.Path(path_type=Path), help="A dataset directory.")
-@click.option("--split", default="val", show_default=True, type=click.Choice(["val", "train"]))
-@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option("--data", "data_path", default=None, type=click.Path(path_type=Path),
+              help="A dataset directory: held-out loss and perplexity, as JSON.")
+@click.option("--tasks", default=None, help="lm-evaluation-harness tasks, comma-separated (needs the eval extra).")
+@click.option("--split", default=None, type=click.Choice(["val", "train"]), help="With --data [default: val].")
+@click.option("--seq-len", default=None, type=click.IntRange(min=1), help="With --data [default: 512].")
+@click.option("--max-batches", default=None, type=click.IntRange(min=1),
+              help="With --data [default: the whole split].")
+@click.option("--include-path", default=None, type=click.Path(path_type=Path),
+              help="With --tasks: a directory of more task YAMLs.")
+@click.option("--limit", default=None, type=click.IntRange(min=1), help="With --tasks: at most N examples per task.")
+@click.option("--num-fewshot", default=None, type=click.IntRange(min=0), help="With --tasks: K few-shot examples.")
+@click.option("--output", default=None, type=click.Path(path_type=Path),
+              help="With --tasks: write the full results JSON here [default: in the run directory].")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-batches", default=None, type=click.IntRange(min=1), help="Default: the whole split.")
-@click.option("--device", default=None)
-def evaluate(model_path: Path, data_path: Path, split: str, seq_len: int, batch_size: int, max_batches: int | None,
-             device: str | None) -> None:
-    """Held-out loss and perplexity of a model on a dataset split, as JSON."""
-    from zaya.train.evaluate import evaluate_model
+@click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the accelerator if any).")
+def evaluate(model_path: Path, data_path: Path | None, tasks: str | None, split: str | None, seq_len: int | None,
+             max_batches: int | None, include_path: Path | None, limit: int | None, num_fewshot: int | None,
+             output: Path | None, batch_size: int, device: str | None) -> None:
+    """Evaluate a model: held-out loss on a dataset (--data), or lm-evaluation-harness tasks (--tasks).
 
-    click.echo(json.dumps(evaluate_model(model_path, data_path, split=split, seq_len=seq_len,
-                                         batch_size=batch_size, max_batches=max_batches, device=device), indent=2))
+    Either way, a model inside a run directory gets one line in RUN_DIR/evals.jsonl (read by zaya report);
+    --tasks also writes lm_eval's full results as JSON to RUN_DIR/evals/ (or --output)."""
+    if (data_path is None) == (tasks is None):
+        raise ZayaError("give exactly one of --data (held-out loss) and --tasks (lm-evaluation-harness tasks)")
+    given = {"--split": split, "--seq-len": seq_len, "--max-batches": max_batches} if tasks is not None else {
+        "--include-path": include_path, "--limit": limit, "--num-fewshot": num_fewshot, "--output": output}
+    misplaced = [name for name, value in given.items() if value is not None]
+    if misplaced:
+        raise ZayaError(f"{', '.join(misplaced)} {'does' if len(misplaced) == 1 else 'do'} not apply to "
+                        f"{'--tasks' if tasks is not None else '--data'}")
+    if data_path is not None:
+        from zaya.train.evaluate import evaluate_model
+
+        result = evaluate_model(model_path, data_path, split=split or "val", seq_len=seq_len or 512,
+                                batch_size=batch_size, max_batches=max_batches, device=device, record=True)
+        click.echo(json.dumps(result, indent=2))
+        return
+    from zaya.evals.run import TaskRun, format_summary, parse_tasks, run_tasks
+
+    run = TaskRun(model=model_path, tasks=parse_tasks(tasks), include_path=include_path, limit=limit,
+                  num_fewshot=num_fewshot, batch_size=batch_size, device=device, output=output)
+    done = run_tasks(run)
+    click.echo(format_summary(done.summary))
+    click.echo(f"wrote {done.results_file}" + (f"; appended {done.record_file}" if done.record_file else ""))
 
 
 @cli.command()

@@ -1,0 +1,96 @@
+"""Where a model's evaluation results go: its run directory, and the run's `evals.jsonl`.
+
+`RUN_DIR/evals.jsonl` has one JSON object per evaluation, appended (never rewritten), for `zaya report`:
+
+    {"time": 1764620000.0, "step": 300, "model": "runs/tiny", "kind": "lm_eval",
+     "tasks": {"hellaswag": {"acc": 0.31, "acc_norm": 0.35}}, "num_fewshot": null, "limit": 100,
+     "results_file": "evals/lm_eval-step_00000300-20261201T120000.json"}
+    {"time": 1764620100.0, "step": 300, "model": "runs/tiny", "kind": "heldout", "split": "val",
+     "seq_len": 512, "loss": 2.91, "ppl": 18.4}
+
+`step` is the checkpoint's training step (null for a model that has none, e.g. an imported HF directory).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from zaya.api import model_dir_kind, resolve_model_dir
+from zaya.errors import ZayaError
+from zaya.train import checkpoint
+
+EVALS_FILE = "evals.jsonl"
+RESULTS_DIR = "evals"
+
+
+def run_dir_of(model_path: str | Path) -> Path | None:
+    """The run directory a model belongs to: the model path itself if it is a run directory, the run that
+    holds a checkpoint in its `checkpoints/`, else None (an HF directory, a checkpoint on its own)."""
+    path = Path(model_path)
+    kind = model_dir_kind(path)
+    if kind == "run":
+        return path.parent if path.name == "checkpoints" else path
+    if kind == "checkpoint" and path.resolve().parent.name == "checkpoints":
+        return path.resolve().parent.parent
+    return None
+
+
+def checkpoint_step(model_path: str | Path) -> int | None:
+    """The training step of the checkpoint a model path loads (None for an HF directory or a converted one)."""
+    directory, kind = resolve_model_dir(model_path)
+    if kind != "checkpoint":
+        return None
+    step = checkpoint.read_json(directory / checkpoint.CONFIG_FILE).get("step")
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    match = checkpoint.STEP_DIR.fullmatch(directory.name)
+    return int(match.group(1)) if match else None
+
+
+def append_record(run_dir: Path, record: dict) -> Path:
+    """Append one line to RUN_DIR/evals.jsonl (the line is written with a single write, so readers never
+    see half of it); returns the file's path."""
+    path = Path(run_dir) / EVALS_FILE
+    line = json.dumps(record, allow_nan=False) + "\n"
+    try:
+        with path.open("a", encoding="utf-8") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        raise ZayaError(f"{path}: cannot append ({exc.strerror})") from None
+    return path
+
+
+def heldout_record(model_path: str | Path, step: int | None, split: str, seq_len: int, loss: float) -> dict:
+    """The evals.jsonl line of a held-out loss evaluation (`zaya eval --data`)."""
+    return {"time": time.time(), "step": step, "model": str(model_path), "kind": "heldout", "split": split,
+            "seq_len": seq_len, "loss": loss, "ppl": math.exp(min(loss, 700.0))}
+
+
+def lm_eval_record(model_path: str | Path, step: int | None, results: dict, num_fewshot: int | None,
+                   limit: int | None, results_file: str) -> dict:
+    """The evals.jsonl line of an lm_eval run: every task's (and group's) metrics without their stderr."""
+    return {"time": time.time(), "step": step, "model": str(model_path), "kind": "lm_eval",
+            "tasks": task_metrics(results), "num_fewshot": num_fewshot, "limit": limit, "results_file": results_file}
+
+
+def task_metrics(results: dict) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} from lm_eval's results: the key "acc,none" becomes "acc" and "acc,<filter>"
+    stays as it is; stderr entries and values that are not numbers are left out."""
+    tasks: dict[str, dict[str, float]] = {}
+    for section in ("results", "groups"):
+        for task, values in (results.get(section) or {}).items():
+            metrics = tasks.setdefault(task, {})
+            for key, value in values.items():
+                if "," not in key or isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                metric, filter_name = key.split(",", 1)
+                if metric.endswith("_stderr") or not math.isfinite(value):
+                    continue
+                metrics[metric if filter_name == "none" else key] = float(value)
+    return tasks
