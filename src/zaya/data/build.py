@@ -9,24 +9,28 @@
 Which split a document goes to depends only on its text (a hash compared with the validation fraction), so
 the split is the same whatever the number of workers, the file order within a run, or the output directory.
 The output does not depend on how the work is cut into pieces either: every document is tokenized on its own
-(documents longer than a few MB are tokenized in newline-aligned parts, always cut at the same places). Nor
+(documents longer than 256 Ki characters are tokenized in parts, always cut at the same places). Nor
 does it depend on how the documents were packaged: the same documents in the same order build the same
 dataset, with the same fingerprint, from one `.jsonl` file or from a hundred compressed shards, CSV files or a
 saved `datasets` directory. (How many files there were is recorded in build.json, not in the manifest.)
 
-Memory is bounded by the number of workers W, not by the size of the corpus:
+Memory is bounded by the number of workers W and the tokenizer sample, not by the size of the corpus:
 
-- each worker holds at most `_BUFFER_BYTES` (4 MB) of documents' text, or one document if it is longer;
-  encodes them `_ENCODE_CHARS` (1 MiB of text) at a time, which takes the `tokenizers` library about 25 MB;
-  and appends their tokens to its job's files in the staging directory (`spill.py`);
-- the main process reads pieces only to train the tokenizer, record by record, and then copies one chunk of
-  tokens at a time (a worker's 4 MB batch: about 3 MB of uint16 tokens) from those files into the dataset;
-- training the BPE takes the `tokenizers` trainer's table of the distinct words in its sample, which is at
-  most `tokenizer_sample_bytes` (`--bpe-sample-mb`, 1 GiB by default) of text and usually holds far less.
+- each worker holds at most `_BUFFER_BYTES` (2 MB) of documents' text, or one document if it is longer, and
+  encodes them in calls of about `_ENCODE_CHARS` (256 Ki characters; a document is cut into parts of at most
+  512 Ki), for which the `tokenizers` encoder needs tens of bytes per character; the tokens go to the job's
+  files in the staging directory (`spill.py`). About 50 MB per worker above the interpreter's baseline
+  (measured with an 8192-entry BPE on Python source: 40-46 MB);
+- the main process reads records one by one to train the tokenizer, and later copies one chunk of tokens at a
+  time (a worker's 2 MB batch: 1-2 MB of tokens) from those files into the dataset; a compressed file is
+  decompressed about 1 MB at a time;
+- training the BPE costs the `tokenizers` trainer's table of the distinct words in its sample, which is at
+  most `tokenizer_sample_bytes` of text (`--bpe-sample-mb`, 1 GiB by default) and grows less than linearly
+  with it (measured on Python source: 54 MB for a 2 MB sample, 124 MB for 12 MB).
 
-So the peak is about the interpreter's baseline + W x 40 MB + the BPE trainer's table, whatever the corpus
-size (measured in tests/data/test_corpora.py). Arrow inputs are memory-mapped: their pages count as resident
-while read but are the operating system's file cache, not the build's.
+So the peak is about baseline + W x 50 MB + the BPE trainer's table (+ one document, if one is longer than
+2 MB), whatever the size of the corpus; tests/data/test_corpora.py measures it. Arrow inputs are
+memory-mapped: their pages count as resident while read, but they are the operating system's file cache.
 """
 
 from __future__ import annotations
@@ -74,15 +78,17 @@ from zaya.errors import ZayaError
 DEFAULT_VAL_FRACTION = 0.01
 DEFAULT_TOKENIZER_SAMPLE_BYTES = 1 << 30
 MAX_REPORTED_PROBLEMS = 100
-# Very long documents are tokenized in parts so one encode call never holds gigabytes of offsets.
-_PART_CHARS = 1 << 22
+# Long documents are tokenized in parts: the encoder needs tens of bytes per character of what it is given.
+_PART_CHARS = 1 << 18
 _MIN_PIECE_BYTES = 1 << 18
 _MAX_PIECE_BYTES = 1 << 23
 # a worker tokenizes this much text at a time, in encode calls of _ENCODE_CHARS characters: the encoder's
 # per-token objects cost it tens of bytes per character, so larger calls only cost memory
-_BUFFER_BYTES = 1 << 22
-_ENCODE_CHARS = 1 << 20
+_BUFFER_BYTES = 1 << 21
+_ENCODE_CHARS = 1 << 18
 _SPILL_DIR = ".tokens"
+# text compresses about 4:1: a compressed file counts for four times its size when work is shared out
+_COMPRESSION_RATIO = 4
 _TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
 
 
@@ -197,21 +203,26 @@ def _plan(files: Sequence[InputFile], read: ReadOptions, workers: int) -> list[P
     return [piece for i, f in enumerate(files) for piece in split_file(f, i, read, target)]
 
 
-def _units(pieces: Sequence[Piece], target: int) -> list[tuple[Piece, ...]]:
-    """Consecutive pieces grouped into units of work of about `target` bytes: small files share a unit, and a
+def _work(files: Sequence[InputFile], piece: Piece) -> int:
+    """A piece's share of the tokenizing, in bytes: its size on disk, or an estimate of its text if compressed."""
+    return piece.size * (_COMPRESSION_RATIO if files[piece.file].compression else 1)
+
+
+def _units(pieces: Sequence[Piece], work: Sequence[int], target: int) -> list[tuple[Piece, ...]]:
+    """Consecutive pieces grouped into units of about `target` bytes of work: small files share a unit, and a
     piece of `target` bytes or more is a unit of its own."""
     units: list[tuple[Piece, ...]] = []
     current: list[Piece] = []
     size = 0
-    for piece in pieces:
-        if piece.size >= target:
+    for piece, amount in zip(pieces, work, strict=True):
+        if amount >= target:
             if current:
                 units.append(tuple(current))
                 current, size = [], 0
             units.append((piece,))
             continue
         current.append(piece)
-        size += piece.size
+        size += amount
         if size >= target:
             units.append(tuple(current))
             current, size = [], 0
@@ -329,13 +340,14 @@ class _Tally:
 def _tokenize(options: BuildOptions, files: Sequence[InputFile], pieces: Sequence[Piece], read: ReadOptions,
               tokenizer_json: bytes, eos_id: int, writer: DatasetWriter, workers: int, spill: Path) -> _Tally:
     total = sum(p.size for p in pieces)
-    units = _units(pieces, _target_bytes(total, workers))
+    work = [_work(files, p) for p in pieces]
+    units = _units(pieces, work, _target_bytes(sum(work), workers))
     jobs = [
         _Job(tokenizer_json, eos_id, writer.dtype, options.val_fraction, options.strict, read,
              tuple(files[p.file] for p in unit), unit, str(spill / f"{i:07d}"))
         for i, unit in enumerate(units)
     ]
-    run = _run_order([sum(p.size for p in unit) for unit in units], workers)
+    run = _run_order([sum(_work(files, p) for p in unit) for unit in units], workers)
     tally = _Tally()
     records_before = [0] * len(files)
     finished: dict[int, _Result] = {}
@@ -506,11 +518,17 @@ def _encode(tokenizer: Tokenizer, documents: list[str], eos_id: int, dtype: str)
 
 
 def _parts(text: str) -> Iterator[str]:
-    """A document in newline-aligned parts of about `_PART_CHARS` characters (one part if shorter)."""
+    """A document in parts of `_PART_CHARS` to twice that many characters (one part if shorter), cut after a
+    newline, else after a space, else anywhere: always at the same places, and never longer than the bound."""
     start = 0
     while len(text) - start > _PART_CHARS:
-        cut = text.find("\n", start + _PART_CHARS)
+        limit = min(len(text), start + 2 * _PART_CHARS)
+        cut = text.find("\n", start + _PART_CHARS, limit)
         if cut < 0:
+            cut = text.find(" ", start + _PART_CHARS, limit)
+        if cut < 0:
+            cut = limit - 1  # no line or word ends within reach (minified code, say): cut mid-word
+        if cut + 1 >= len(text):
             break
         yield text[start:cut + 1]
         start = cut + 1

@@ -1,7 +1,7 @@
 """Compressed inputs (`.gz`, `.zst`, `.zstd`): decompressed as a stream, never whole in memory.
 
 A compressed file cannot be cut by byte range (reading from the middle needs everything before it), so it
-is read as one piece, front to back, in blocks of `_BLOCK` compressed bytes. gzip files may hold several
+is read as one piece, front to back, a block at a time (each inflating to about 1 MB). gzip files may hold several
 members and zstd files several frames, as parallel compressors write them. Damage is never silent: a gzip
 member is checked against its CRC, a zstd frame against its checksum when it has one (the `zstd` tool writes
 them), and a file that ends inside a member or frame is truncated. Each of these is a `CorruptInput` naming
@@ -23,8 +23,13 @@ from zaya.data.records import Record, json_record, text_record
 from zaya.errors import ZayaError
 
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
-# compressed bytes read at a time: small enough that even well-compressed text inflates to a few MB per read
-_BLOCK = 1 << 16
+# Compressed bytes are read in blocks sized so that each inflates to about _OUTPUT bytes: text compressed
+# 4:1 is read 256 KB at a time, and a file of repeated lines compressed 1000:1 a kilobyte at a time, so no
+# read ever produces more than a few MB (neither decompressor can cap its output itself).
+_BLOCK = 1 << 14  # the first block
+_MIN_BLOCK = 1 << 10
+_MAX_BLOCK = 1 << 18
+_OUTPUT = 1 << 20
 _GZIP_WINDOW = 16 + zlib.MAX_WBITS  # a gzip header and trailer around a deflate stream
 
 
@@ -37,9 +42,9 @@ class CorruptInput(ZayaError):
         super().__init__(f"{path}: corrupt or truncated {compression} data{where} (compressed byte {offset}): "
                          f"{detail}")
 
-    def after(self, what: str) -> CorruptInput:
-        """The same error, saying what was read before it went wrong ("line 12", "document 3")."""
-        return CorruptInput(self.path, self.compression, self.offset, self.detail, what)
+    def after(self, what: str, count: int) -> CorruptInput:
+        """The same error, saying how far reading got before it went wrong ("line", 12: after line 12)."""
+        return CorruptInput(self.path, self.compression, self.offset, self.detail, f"{what} {count}" if count else "")
 
 
 def zstandard_module(path: Path):
@@ -70,6 +75,7 @@ class _Decompressor(io.RawIOBase):
         self._unit = None  # the decompressor of the current gzip member or zstd frame
         self._pending = memoryview(b"")  # decompressed bytes not yet handed out
         self._position = 0  # compressed bytes consumed
+        self._block = _BLOCK
 
     def readable(self) -> bool:
         return True
@@ -90,7 +96,7 @@ class _Decompressor(io.RawIOBase):
     def _decompress_more(self) -> bool:
         """Decompress the next block into `_pending`; False at the clean end of the file."""
         try:
-            block = self._handle.read(_BLOCK)
+            block = self._handle.read(self._block)
         except OSError as exc:
             raise ZayaError(f"{self._path}: cannot read ({exc.strerror})") from None
         if not block:
@@ -111,7 +117,9 @@ class _Decompressor(io.RawIOBase):
                 break
             block = self._unit.unused_data  # the next member or frame starts in this block
             self._unit = None
-        self._pending = memoryview(b"".join(parts))
+        self._pending = memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
+        produced = max(1, len(self._pending))
+        self._block = min(_MAX_BLOCK, max(_MIN_BLOCK, self._block * _OUTPUT // produced))
         return True
 
     def _new_unit(self):
@@ -137,7 +145,7 @@ def jsonl_stream(path: Path, compression: str, text_field: str) -> Generator[Rec
                     yield record
                 index += 1
         except CorruptInput as exc:
-            raise exc.after(f"line {index}") from None
+            raise exc.after("line", index) from None
     return index
 
 
@@ -166,7 +174,7 @@ def text_stream(path: Path, compression: str, separator: bytes | None) -> Genera
                     cut = found + len(separator)
                 del buffer[:cut]
         except CorruptInput as exc:
-            raise exc.after(f"document {index}") from None
+            raise exc.after("document", index) from None
     if buffer or index == 0:  # as in a plain file, a final separator does not start an empty document
         record = text_record(index, bytes(buffer))
         if record is not None:
