@@ -399,8 +399,11 @@ def _damaged(kind: str, path: Path, raw: bytes) -> Path:
 @pytest.mark.parametrize("kind", ["gzip truncated", "gzip flipped", "gzip garbage", "zstd truncated",
                                   "zstd flipped", "zstd garbage"])
 @pytest.mark.parametrize("trained", [True, False])
-def test_damaged_compressed_files_stop_the_build_in_one_line(tmp_path, documents, tokenizer_file, kind, trained):
-    raw = _jsonl(tmp_path / "plain.jsonl", documents * 4).read_bytes()
+def test_damaged_compressed_files_stop_the_build_in_one_line(tmp_path, documents, tokenizer_file, kind, trained,
+                                                            monkeypatch):
+    for name in ("_BLOCK", "_MAX_BLOCK"):  # small reads, so that lines are read before the damage is
+        monkeypatch.setattr(compressed_module, name, 1024)
+    raw = _jsonl(tmp_path / "plain.jsonl", documents * 40).read_bytes()  # several zstd blocks of 128 KB
     path = _damaged(kind, tmp_path / ("in.jsonl.gz" if kind.startswith("gzip") else "in.jsonl.zst"), raw)
     args = ["build", "-i", path, "-o", tmp_path / "out", "--workers", 2]
     args += ["--vocab-size", 300] if trained else ["--tokenizer", tokenizer_file]
