@@ -241,8 +241,11 @@ def test_the_progress_bar_counts_seconds_of_a_time_budget(tmp_path, monkeypatch)
 
 
 def _train(config: Path, run_dir: Path, env: dict):
+    # an earlier test's W&B service (WANDB_SERVICE, which wandb exports) would serve the child too: a child killed
+    # with its run open would leave that run "in use" there for the rest of this process
+    inherited = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     return subprocess.run([sys.executable, "-m", "zaya.cli", "train", str(config), "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+                          capture_output=True, text=True, timeout=300, env={**inherited, **env})
 
 
 def test_a_training_run_logs_to_wandb_and_a_resumed_one_continues_it(dataset, tmp_path, offline):

@@ -21,11 +21,16 @@ any rank stops all of them at the same step), and every time figure is rank 0's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import statistics
 import time
 from dataclasses import dataclass
+
+import torch
+
+from zaya.optim.schedule import ScheduleConfig
 
 # sysexits' EX_TEMPFAIL, "a temporary failure; the user is invited to retry": not 0 (the run is not done),
 # not 1 (nothing went wrong), not 2 (bad input), not 128 + N (it did not die of the signal)
@@ -135,3 +140,72 @@ def timed_decay(step: int, trained_s: float, budget_s: float, decay_fraction: fl
     if trained_s < (1.0 - decay_fraction) * budget_s:
         return None
     return step + max(1, round((budget_s - trained_s) / step_seconds))
+
+
+class TrainingStops:
+    """The trainer's stop rules and timed schedule. Part of `Trainer` (a mixin, like `zaya.train.signals`): it
+    works on the trainer's config, state, launch and checkpoint manager."""
+
+    def schedule(self) -> ScheduleConfig:
+        """The learning-rate schedule: as configured, or with its decay timed to train.time_budget_s once that
+        was decided (the decision is part of the checkpoint, so a resumed run keeps it)."""
+        state = self.state
+        if not state.schedule_steps:
+            return self.config.schedule
+        decay = state.schedule_steps - state.decay_start
+        return dataclasses.replace(self.config.schedule, total_steps=state.schedule_steps,
+                                   decay_fraction=decay / state.schedule_steps)
+
+    def end_step(self) -> int:
+        """The step the run ends at: train.max_steps, or the end of a timed decay if that comes first."""
+        return min(self.config.train.max_steps, self.state.schedule_steps or self.config.train.max_steps)
+
+    def _take_controls(self, control: list[float]) -> str | None:
+        """Apply what the step's all-reduce brought (the same on every rank): rank 0's time for the previous
+        step, the time budget's decay decision; returns why the run must stop after this step, if it must."""
+        signals, deadline, previous = control
+        state = self.state
+        if previous > 0:
+            state.train_seconds += previous
+            state.step_times = [*state.step_times, previous][-10:]
+        train, schedule = self.config.train, self.config.schedule
+        if train.time_budget_s and not state.schedule_steps:
+            planned = schedule.total_steps - schedule.decay_steps
+            total = timed_decay(state.step, state.train_seconds, train.time_budget_s, schedule.decay_fraction,
+                                schedule.warmup_steps, StepClock(state.step_times).step_seconds, planned)
+            if total is not None:
+                state.decay_start, state.schedule_steps = state.step, total
+                self._say(f"time budget: {state.train_seconds:.0f} of {train.time_budget_s:.0f} s trained; the "
+                          f"decay runs from step {state.step} to step {total} (the rest of the budget at "
+                          f"{StepClock(state.step_times).step_seconds:.3f} s per step)")
+        if signals:
+            return "signal"
+        return "max_time_s" if deadline else None
+
+    def _deadline(self) -> bool:
+        """Rank 0's view: must the run stop now to leave a checkpoint before train.max_time_s?"""
+        clock = StepClock(self.state.step_times, self.state.save_seconds)
+        return self.launch.is_main and deadline_reached(self.config.train.max_time_s, self.started, clock)
+
+    def _stop_at_start(self) -> bool:
+        """A resumed run that has no time left for one step and a checkpoint stops before its first step (rank
+        0's clock decides, for all)."""
+        if not self.config.train.max_time_s or self._last_seconds or self.stopped:
+            return False  # checked once, before the first step
+        flag = torch.tensor(float(self._deadline()), dtype=torch.float64, device=self.device)
+        self._all_reduce(flag)
+        if not flag.item():
+            return False
+        self._stopped("max_time_s", self.state.step)
+        return True
+
+    def _stopped(self, reason: str, step: int) -> None:
+        """The run stops early with its checkpoint committed: say why and what resumes it."""
+        self.manager.wait()
+        self.stopped = self.stop.signal.name if reason == "signal" and self.stop.signal else reason
+        if reason == "signal" and self.stop.signal is None:
+            self.stopped = "a signal to another rank"
+        limit = f" (train.max_time_s = {self.config.train.max_time_s:g} s)" if reason == "max_time_s" else ""
+        kept = (f"checkpoint step {step} is committed; the same command resumes from it"
+                if self.saved_step == step or self.resume_from is not None else "nothing was trained yet")
+        self._say(f"stopping at step {step} on {self.stopped}{limit}: {kept}")

@@ -52,11 +52,10 @@ from zaya.device import (
     tune_host_allocator,
     vendor,
 )
-from zaya.errors import ZayaError
+from zaya.errors import StartupFailed, ZayaError
 from zaya.model.flops import training_flops_per_token
 from zaya.model.transformer import RouterStats, Zaya
 from zaya.optim import build_optimizer, describe_param_groups, set_lr_multiplier
-from zaya.optim.schedule import ScheduleConfig
 from zaya.parallel.comm import all_reduce
 from zaya.parallel.dtensor import clip_grad_norm_
 from zaya.parallel.fsdp import parallelize
@@ -72,8 +71,9 @@ from zaya.train.checkpoint_files import prewarm
 from zaya.train.forecast import Forecast
 from zaya.train.metrics import MetricsLogger
 from zaya.train.phases import TrainingPhases
-from zaya.train.preemption import StepClock, StopRequest, deadline_reached, time_origin, timed_decay
+from zaya.train.preemption import StopRequest, TrainingStops, time_origin
 from zaya.train.signals import TrainingSignals
+from zaya.train.wandb_sink import check_wandb, open_wandb
 
 CONFIG_FILE = "run_config.json"  # not config.json: that name marks a Hugging Face directory
 LOG_FILE = "train.log"
@@ -100,7 +100,7 @@ class TrainState:
     schedule_steps: int = 0
 
 
-class Trainer(TrainingSignals, TrainingPhases):
+class Trainer(TrainingSignals, TrainingPhases, TrainingStops):
     """Runs a `RunConfig` in `run_dir`, resuming from its newest valid checkpoint if there is one."""
 
     def __init__(self, config: RunConfig, run_dir: Path, *, allow_data_change: bool = False,
@@ -139,6 +139,7 @@ class Trainer(TrainingSignals, TrainingPhases):
 
     def _check_inputs(self) -> None:
         train, where = self.config.train, self.config.source
+        check_wandb(self.config)  # a missing package stops every rank here, reported once
         self.config.parallel.backend_for(self.device, where)
         ramp = self.ramp()
         self._check_phase_meshes(ramp)
@@ -365,47 +366,6 @@ class Trainer(TrainingSignals, TrainingPhases):
             "stop": stop,
         }
 
-    def schedule(self) -> ScheduleConfig:
-        """The learning-rate schedule: as configured, or with its decay timed to train.time_budget_s once that
-        was decided (the decision is part of the checkpoint, so a resumed run keeps it)."""
-        state = self.state
-        if not state.schedule_steps:
-            return self.config.schedule
-        decay = state.schedule_steps - state.decay_start
-        return dataclasses.replace(self.config.schedule, total_steps=state.schedule_steps,
-                                   decay_fraction=decay / state.schedule_steps)
-
-    def end_step(self) -> int:
-        """The step the run ends at: train.max_steps, or the end of a timed decay if that comes first."""
-        return min(self.config.train.max_steps, self.state.schedule_steps or self.config.train.max_steps)
-
-    def _take_controls(self, control: list[float]) -> str | None:
-        """Apply what the step's all-reduce brought (the same on every rank): rank 0's time for the previous
-        step, the time budget's decay decision; returns why the run must stop after this step, if it must."""
-        signals, deadline, previous = control
-        state = self.state
-        if previous > 0:
-            state.train_seconds += previous
-            state.step_times = [*state.step_times, previous][-10:]
-        train, schedule = self.config.train, self.config.schedule
-        if train.time_budget_s and not state.schedule_steps:
-            planned = schedule.total_steps - schedule.decay_steps
-            total = timed_decay(state.step, state.train_seconds, train.time_budget_s, schedule.decay_fraction,
-                                schedule.warmup_steps, StepClock(state.step_times).step_seconds, planned)
-            if total is not None:
-                state.decay_start, state.schedule_steps = state.step, total
-                self._say(f"time budget: {state.train_seconds:.0f} of {train.time_budget_s:.0f} s trained; the "
-                          f"decay runs from step {state.step} to step {total} (the rest of the budget at "
-                          f"{StepClock(state.step_times).step_seconds:.3f} s per step)")
-        if signals:
-            return "signal"
-        return "max_time_s" if deadline else None
-
-    def _deadline(self) -> bool:
-        """Rank 0's view: must the run stop now to leave a checkpoint before train.max_time_s?"""
-        clock = StepClock(self.state.step_times, self.state.save_seconds)
-        return self.launch.is_main and deadline_reached(self.config.train.max_time_s, self.started, clock)
-
     def _all_reduce(self, tensor: torch.Tensor, group=None) -> None:
         all_reduce(tensor, group, self.parallel.counter, "trainer")
 
@@ -441,8 +401,20 @@ class Trainer(TrainingSignals, TrainingPhases):
 
     def _open_metrics(self) -> MetricsLogger:
         train, logging = self.config.train, self.config.logging
+        sink, failure = None, None
+        if self.launch.is_main:
+            try:
+                sink = open_wandb(self.run_dir, self.config, self.state.step)
+            except ZayaError as exc:
+                failure = exc
+        if logging.wandb:  # a W&B run rank 0 could not open stops every rank, not rank 0 alone
+            failed = torch.tensor(float(failure is not None), dtype=torch.float64, device=self.device)
+            self._all_reduce(failed)
+            if failed.item():
+                raise failure or StartupFailed("rank 0 could not open its W&B run", rank=self.launch.rank)
         return MetricsLogger(self.run_dir, start_step=self.state.step, total_steps=train.max_steps,
-                             tensorboard=logging.tensorboard, progress=logging.progress, enabled=self.launch.is_main)
+                             tensorboard=logging.tensorboard, progress=logging.progress, enabled=self.launch.is_main,
+                             sink=sink, progress_seconds=train.time_budget_s, seconds_done=self.state.train_seconds)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -520,7 +492,8 @@ class Trainer(TrainingSignals, TrainingPhases):
                     row.update(self.evaluate())
                 if step % logging.log_every == 0 or "eval_loss" in row or step == end or stop:
                     self.metrics.log(row)
-                self.metrics.progress(step, {"loss": f"{row['loss']:.3f}", "tok/s": f"{tokens_per_s:,.0f}"})
+                self.metrics.progress(step, {"loss": f"{row['loss']:.3f}", "tok/s": f"{tokens_per_s:,.0f}"},
+                                      seconds=self.state.train_seconds)
                 measured = forecast.observe(row) if forecast is not None else None
                 if measured:
                     self._say(measured)
@@ -536,30 +509,9 @@ class Trainer(TrainingSignals, TrainingPhases):
                     break
             self.manager.wait()
             self.heartbeat.beat("done", self.state.step)
+            if not self.stopped:
+                self.metrics.finish(self.run_dir)  # the report's plots to W&B, if it is on
         finally:
             self.metrics.close()
             self.loader.close()
         return last
-
-    def _stop_at_start(self) -> bool:
-        """A resumed run that has no time left for one step and a checkpoint stops before its first step (rank
-        0's clock decides, for all)."""
-        if not self.config.train.max_time_s or self._last_seconds or self.stopped:
-            return False  # checked once, before the first step
-        flag = torch.tensor(float(self._deadline()), dtype=torch.float64, device=self.device)
-        self._all_reduce(flag)
-        if not flag.item():
-            return False
-        self._stopped("max_time_s", self.state.step)
-        return True
-
-    def _stopped(self, reason: str, step: int) -> None:
-        """The run stops early with its checkpoint committed: say why and what resumes it."""
-        self.manager.wait()
-        self.stopped = self.stop.signal.name if reason == "signal" and self.stop.signal else reason
-        if reason == "signal" and self.stop.signal is None:
-            self.stopped = "a signal to another rank"
-        limit = f" (train.max_time_s = {self.config.train.max_time_s:g} s)" if reason == "max_time_s" else ""
-        kept = (f"checkpoint step {step} is committed; the same command resumes from it"
-                if self.saved_step == step or self.resume_from is not None else "nothing was trained yet")
-        self._say(f"stopping at step {step} on {self.stopped}{limit}: {kept}")
