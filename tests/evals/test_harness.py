@@ -13,7 +13,6 @@ from pathlib import Path
 import lm_eval
 import pytest
 from lm_eval.api.instance import Instance
-from lm_eval.models.huggingface import HFLM
 
 from zaya.errors import ZayaError
 from zaya.evals.harness import ZayaLM
@@ -24,9 +23,17 @@ TEXTS = ["def decode(self, s):\n    return self.raw_decode(s)[0]\n", "import jso
          "class JSONEncoder(object):\n    item_separator = ', '\n    key_separator = ': '\n"]
 
 
+def _hf_lm(directory, **kwargs):
+    """lm_eval's HF model on an export, one request at a time (it needs lm_eval's `hf` extra: accelerate)."""
+    pytest.importorskip("accelerate", reason="lm_eval --model hf needs lm_eval[hf] (accelerate)")
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=str(directory), dtype="float32", device="cpu", batch_size=1, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def hf_lm(hf_export):
-    return HFLM(pretrained=str(hf_export), dtype="float32", device="cpu", batch_size=1)
+    return _hf_lm(hf_export)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +68,7 @@ def test_the_native_model_scores_the_tasks_exactly_as_lm_eval_hf_on_the_export(z
 def test_rolling_and_empty_context_loglikelihoods_match_lm_eval_hf(trained_run, hf_export):
     # a short max_length makes every text several rolling windows
     ours = ZayaLM(path=str(trained_run), device="cpu", batch_size=3, max_length=8)
-    theirs = HFLM(pretrained=str(hf_export), dtype="float32", device="cpu", batch_size=1, max_length=8)
+    theirs = _hf_lm(hf_export, max_length=8)
     rolling = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(TEXTS)]
     assert len(ours.tok_encode(TEXTS[0])) > 3 * 8
     for a, b in zip(ours.loglikelihood_rolling(rolling), theirs.loglikelihood_rolling(rolling), strict=True):

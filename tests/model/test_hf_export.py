@@ -5,22 +5,19 @@ The model is a really trained micro run (a BPE of the json package's sources, 30
 """
 
 import json
-import os
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-from train.conftest import build_code_dataset, write_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import zaya
+from train.conftest import build_code_dataset, write_config
 from zaya.config import load_config
 from zaya.infer.generate import generate
 from zaya.infer.hf_files import HF_FILES, training_hints
 from zaya.train import checkpoint
 from zaya.train.trainer import Trainer
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TEXTS = ["def f(x):\n    return x + 1\n", "import json\nprint(json.dumps({'a': [1, 2.5]}))",
          "  leading spaces and unicode: caf\u00e9 \u03bb \u2192 \U0001f600", "tokens <eos> and <bos> inside"]
