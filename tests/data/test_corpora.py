@@ -77,8 +77,8 @@ def saved_datasets(tmp_path_factory) -> Path:
     """Directories written by the `datasets` library itself: `saved` and `dict` (a DatasetDict whose train
     split is `saved`) hold the test documents in a column `body`; `small` and `small_dict` three rows of `text`.
 
-    Written in a fresh interpreter: inside the test run, the tests' own `multiprocess.py` helper shadows the
-    package of that name which `datasets` imports."""
+    Written in a fresh interpreter, so that the test run's own process never imports `datasets`: the builds
+    under test must read these directories without it."""
     root = tmp_path_factory.mktemp("saved_datasets")
     (root / "docs.json").write_text(json.dumps(_documents()))
     result = subprocess.run([sys.executable, "-c", _SAVE_DATASETS, str(root / "docs.json"), str(root)], cwd=root,

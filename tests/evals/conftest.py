@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,25 +14,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 TASKS = Path(__file__).parent / "tasks"
 
 
-def _import_lm_eval() -> None:
-    """Import lm_eval and `datasets` with the PyPI package `multiprocess` that `datasets` needs: on the test
-    path tests/multiprocess.py (the gloo helper) has that name. Afterwards the name means again what it meant
-    to the other tests; `datasets` keeps the modules it imported."""
-    before = sys.modules.pop("multiprocess", None)
-    tests_dir = Path(__file__).resolve().parents[1]
-    path = sys.path[:]
-    sys.path[:] = [entry for entry in path if Path(entry or ".").resolve() != tests_dir]
-    try:
-        import datasets  # noqa: F401
-        import lm_eval  # noqa: F401
-    finally:
-        sys.path[:] = path
-        sys.modules.pop("multiprocess", None)
-        if before is not None:
-            sys.modules["multiprocess"] = before
-
-
-_import_lm_eval()
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import zaya
 from modeling import perturb
-from multiprocess import run_distributed, torchrun
+from ranks import run_distributed, torchrun
 from zaya.errors import ZayaError
 from zaya.infer.generate import Sampling, generate
 from zaya.infer.tree import KERNELS, ShardedDecoder, generate_sharded

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zaya
-from multiprocess import run_distributed
+from ranks import run_distributed
 from zaya.errors import ZayaError
 from zaya.model.attention import CompressedConvAttention
 from zaya.model.layers import RotaryEmbedding

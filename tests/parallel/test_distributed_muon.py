@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multiprocess import run_distributed
+from ranks import run_distributed
 from zaya.model.presets import get_preset
 from zaya.model.transformer import Zaya
 from zaya.optim import Muon, split_parameters

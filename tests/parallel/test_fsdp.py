@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zaya
-from multiprocess import run_distributed
+from ranks import run_distributed
 from zaya.config import RunConfig
 from zaya.model.transformer import RouterStats
 from zaya.parallel.fsdp import fsdp_volume, parallelize

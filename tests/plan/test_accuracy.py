@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multiprocess import run_distributed
+from ranks import run_distributed
 from zaya.cli import main
 from zaya.plan.compare import ACCURACY_CASES, TIME_CASES, Case, predicted_step
 from zaya.plan.measure import measured_step

@@ -15,7 +15,7 @@ import torch
 
 import zaya
 from conftest import write_config
-from multiprocess import run_command
+from ranks import run_command
 from zaya.cli import main
 from zaya.resilience.incidents import read_incidents
 from zaya.resilience.processes import descendants, process_state

@@ -25,7 +25,7 @@ import pytest
 
 import zaya
 from conftest import write_config
-from multiprocess import free_port
+from ranks import free_port
 from zaya.resilience.incidents import read_incidents
 from zaya.resilience.processes import descendants, signal_all
 from zaya.resilience.supervisor import EXIT_OK, EXIT_STOPPED

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import write_config
-from multiprocess import torchrun
+from ranks import torchrun
 from zaya.config import load_config
 from zaya.train.metrics import read_metrics
 from zaya.train.trainer import Trainer

@@ -16,7 +16,7 @@ import torch
 
 import zaya
 from conftest import write_config
-from multiprocess import free_port, run_command, torchrun
+from ranks import free_port, run_command, torchrun
 from zaya.config import load_config
 from zaya.errors import ZayaError
 from zaya.train import checkpoint as ckpt

@@ -14,7 +14,7 @@ import torch
 from test_trainer import _final_tensors, _losses, _train
 
 from conftest import write_config
-from multiprocess import torchrun
+from ranks import torchrun
 from zaya.config import load_config
 from zaya.train import checkpoint as ckpt
 from zaya.train.metrics import read_metrics
