@@ -83,7 +83,8 @@ class TrainSection:
     micro_batch_size: int = 8  # sequences per rank per forward/backward; steps accumulate over them
     global_batch_size: int = 8  # sequences per optimizer step once any ramp is over
     # "bf16" (autocast, fp32 master weights), "fp32", or "auto": bf16 on accelerators and on CPUs whose bf16
-    # matmuls are fast (measured at start), fp32 on the CPUs that emulate bf16 (~100x slower there)
+    # matmuls are fast (measured at start), fp32 on the CPUs that emulate bf16 (~100x slower there), where
+    # Newton-Schulz then runs in fp32 too (optim.ns_dtype)
     precision: str = "bf16"
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     eval_every: int = 50  # steps between held-out evaluations; 0 disables

@@ -116,7 +116,7 @@ class Trainer(TrainingSignals, TrainingPhases, TrainingStops):
         self._init_signals()
         device = resolve_device(None if config.train.device == "auto" else config.train.device)
         self.device = rank_device(device, self.launch.local_rank)
-        self.config = self._resolve_precision(config)
+        self.config = config
         self.model_config = config.model_config()
         self.phases = config.resolved_phases()
         self.started = time_origin()  # what train.max_time_s counts from
@@ -126,14 +126,20 @@ class Trainer(TrainingSignals, TrainingPhases, TrainingStops):
         self._check_inputs()
 
     def _resolve_precision(self, config: RunConfig) -> RunConfig:
-        """`train.precision = "auto"` made "bf16" or "fp32" for this device (`zaya.device.resolve_precision`)."""
-        precision = resolve_precision(config.train.precision, self.device)
-        if precision == config.train.precision:
+        """`train.precision = "auto"` made "bf16" or "fp32" for this device (`zaya.device.resolve_precision`):
+        fp32 if any rank measures slow bf16 matmuls, so that every rank trains in the same precision. In fp32,
+        Newton-Schulz runs in fp32 too (`optim.ns_dtype`): its bf16 products would be as slow as the model's."""
+        if config.train.precision != "auto":
             return config
+        slow = torch.tensor(float(resolve_precision("auto", self.device) != "bf16"), dtype=torch.float64,
+                            device=self.device)
+        self._all_reduce(slow)
+        precision = "fp32" if slow.item() else "bf16"
         if config.train.compile and precision != "bf16":
             raise ZayaError(f"{config.source}: train.compile needs bf16, but train.precision = 'auto' is fp32 on "
                             f"{self.device} (its bf16 matmuls are slow); set train.compile = false")
-        return dataclasses.replace(config, train=dataclasses.replace(config.train, precision=precision))
+        optim = config.optim if precision == "bf16" else dataclasses.replace(config.optim, ns_dtype="float32")
+        return dataclasses.replace(config, train=dataclasses.replace(config.train, precision=precision), optim=optim)
 
     # ---- checks that run before anything is written ------------------------------------------------------
 
@@ -205,6 +211,7 @@ class Trainer(TrainingSignals, TrainingPhases, TrainingStops):
         previous = getattr(self, "parallel", None)
         self.parallel: ParallelContext = init_parallel(self._parallel_config(self.phases[self.start_phase]),
                                                        self.device, self.launch, self.config.source)
+        self.config = self._resolve_precision(self.config)
         if previous is not None:  # a new mesh for a phase of another cp size, in the same process group
             self.parallel.owns_process_group = previous.owns_process_group
         if self.resume_from is not None:
@@ -230,7 +237,7 @@ class Trainer(TrainingSignals, TrainingPhases, TrainingStops):
             self.model.set_rope_theta(self.phases[self.state.phase].rope_theta)
         self.flops_per_token = training_flops_per_token(self.model_config, self.phases[self.state.phase].seq_len)
         self.sequence = self._sequence(self.phases[self.state.phase])
-        dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
+        dtype = torch.bfloat16 if self.config.train.precision == "bf16" else torch.float32
         self.peak, self.peak_source = peak_flops(self.device, dtype)
 
     def _loader(self, index: int) -> TokenLoader:
