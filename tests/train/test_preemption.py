@@ -47,12 +47,16 @@ def test_the_deadline_leaves_one_step_and_a_checkpoint():
 
 
 def test_the_timed_decay_starts_at_the_budgets_last_share():
-    due = dict(budget_s=100.0, decay_fraction=0.3, warmup_steps=5, step_seconds=2.0, planned_decay_start=1000)
+    due = dict(budget_s=100.0, decay_fraction=0.3, warmup_steps=5, sample_seconds=2.0, planned_decay_start=1000)
     assert timed_decay(40, 69.9, **due) is None  # before 70% of the budget
-    assert timed_decay(40, 70.0, **due) == 40 + 15  # 30 s left at 2 s per step
+    assert timed_decay(40, 70.0, **due) == 40 + 15  # 30 s left at 2 s per step (one sequence each)
     assert timed_decay(3, 80.0, **due) is None  # still warming up
     assert timed_decay(40, 70.0, **{**due, "planned_decay_start": 40}) is None  # max_steps' decay comes first
+    assert timed_decay(40, 70.0, **{**due, "planned_decay_start": 50}) == 50  # ... or cuts it short
     assert timed_decay(40, 120.0, **due) == 41  # over budget: one decay step, then done
+    # a ramp doubling the batch after 10 more sequences: 10 steps of 1 (20 s), then 9 s = 2.25 steps of 2
+    ramp = dict(samples=100, batch_at=lambda samples: 1 if samples < 110 else 2)
+    assert timed_decay(40, 71.0, **due, **ramp) == 40 + 10 + 2
 
 
 def test_the_job_clock_is_slurms_when_there_is_one(monkeypatch):

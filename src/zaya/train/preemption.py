@@ -26,6 +26,7 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,17 +130,26 @@ def deadline_reached(max_time_s: float, origin: float, clock: StepClock, now: fl
 
 
 def timed_decay(step: int, trained_s: float, budget_s: float, decay_fraction: float, warmup_steps: int,
-                step_seconds: float, planned_decay_start: int) -> int | None:
+                sample_seconds: float, planned_decay_start: int, samples: int = 0,
+                batch_at: Callable[[int], int] = lambda samples: 1) -> int | None:
     """The total step count of a wsd schedule timed to a budget, once its decay is due, else None.
 
     The decay is due when `trained_s` reaches the budget's stable share, (1 - decay_fraction) * budget_s,
-    after warmup and before the step-counted decay (`planned_decay_start`, from max_steps) would begin; it then
-    takes the time left at `step_seconds` per step, so the run ends about when the budget does."""
-    if budget_s <= 0 or step < warmup_steps or step >= planned_decay_start or step_seconds <= 0:
+    after warmup and before the step-counted decay (`planned_decay_start`, from max_steps) would begin. It then
+    takes the time left, at `sample_seconds` per sequence and the batch the ramp gives at each step
+    (`batch_at(samples)`, from `samples` consumed), so the run ends about when the budget does even while the
+    batch still grows."""
+    if budget_s <= 0 or step < warmup_steps or step >= planned_decay_start or sample_seconds <= 0:
         return None
     if trained_s < (1.0 - decay_fraction) * budget_s:
         return None
-    return step + max(1, round((budget_s - trained_s) / step_seconds))
+    left, steps = budget_s - trained_s, 0
+    while step + steps < planned_decay_start:
+        cost = batch_at(samples) * sample_seconds
+        if left < cost / 2:  # the step that would end nearest the budget is the last
+            break
+        left, samples, steps = left - cost, samples + batch_at(samples), steps + 1
+    return step + max(1, steps)
 
 
 class TrainingStops:
@@ -160,24 +170,28 @@ class TrainingStops:
         """The step the run ends at: train.max_steps, or the end of a timed decay if that comes first."""
         return min(self.config.train.max_steps, self.state.schedule_steps or self.config.train.max_steps)
 
-    def _take_controls(self, control: list[float]) -> str | None:
+    def _take_controls(self, control: list[float], batch: int) -> str | None:
         """Apply what the step's all-reduce brought (the same on every rank): rank 0's time for the previous
-        step, the time budget's decay decision; returns why the run must stop after this step, if it must."""
+        step, the time budget's decay decision; returns why the run must stop after this step, if it must.
+        `batch` is this step's global batch (the previous step's is remembered for its time)."""
         signals, deadline, previous = control
         state = self.state
-        if previous > 0:
+        previous_batch, self._previous_batch = getattr(self, "_previous_batch", 0), batch
+        if previous > 0 and previous_batch:
             state.train_seconds += previous
             state.step_times = [*state.step_times, previous][-10:]
+            state.sample_times = [*state.sample_times, previous / previous_batch][-10:]
         train, schedule = self.config.train, self.config.schedule
-        if train.time_budget_s and not state.schedule_steps:
+        if train.time_budget_s and not state.schedule_steps and state.sample_times:
             planned = schedule.total_steps - schedule.decay_steps
+            rate = statistics.median(state.sample_times)
             total = timed_decay(state.step, state.train_seconds, train.time_budget_s, schedule.decay_fraction,
-                                schedule.warmup_steps, StepClock(state.step_times).step_seconds, planned)
+                                schedule.warmup_steps, rate, planned, state.samples, self.ramp().at)
             if total is not None:
                 state.decay_start, state.schedule_steps = state.step, total
                 self._say(f"time budget: {state.train_seconds:.0f} of {train.time_budget_s:.0f} s trained; the "
                           f"decay runs from step {state.step} to step {total} (the rest of the budget at "
-                          f"{StepClock(state.step_times).step_seconds:.3f} s per step)")
+                          f"{rate * 1e3:.1f} ms per sequence, with the batch ramp)")
         if signals:
             return "signal"
         return "max_time_s" if deadline else None

@@ -94,6 +94,7 @@ class TrainState:
     fingerprints: dict[str, list[str]] = field(default_factory=dict)  # data fingerprints per phase name
     train_seconds: float = 0.0  # time spent in steps, summed over resumes (rank 0's clock)
     step_times: list[float] = field(default_factory=list)  # rank 0's recent step times, for the stop rules
+    sample_times: list[float] = field(default_factory=list)  # the same per sequence, for a timed decay
     save_seconds: float = 0.0  # how long the last checkpoint took
     # with train.time_budget_s, once the decay is timed: the step it began at and the schedule's last step
     decay_start: int = 0
@@ -350,7 +351,7 @@ class Trainer(TrainingSignals, TrainingPhases, TrainingStops):
         self.state.samples += global_batch
         self.state.tokens += tokens
         self.state.phase_tokens += tokens
-        stop = self._take_controls(control)
+        stop = self._take_controls(control, global_batch)
         counts = counts.double()
         expert_share = counts[:, :-1] / counts.sum(1, keepdim=True).clamp_min(1)
         return {
