@@ -54,15 +54,20 @@ def percent(fraction, digits: int = 3) -> str:
     return MISSING if x is None else f"{number(x * 100, digits)}%"
 
 
-def duration(seconds) -> str:
-    """A time span: "12.3 ms", "0.84 s", "42.5 s", "4 min 12 s", "1 h 02 min", "2 d 03 h"."""
-    x = _finite(seconds)
+def _special(x: float | None, fmt) -> str:
+    """What a unit formatter shows for a missing, negative or infinite value (`fmt` formats the magnitude)."""
     if x is None:
         return MISSING
     if x < 0:
-        return "-" + duration(-x)
-    if math.isinf(x):
-        return "inf"
+        return "-" + fmt(-x)
+    return "inf"
+
+
+def duration(seconds) -> str:
+    """A time span: "12.3 ms", "0.84 s", "42.5 s", "4 min 12 s", "1 h 02 min", "2 d 03 h"."""
+    x = _finite(seconds)
+    if x is None or x < 0 or math.isinf(x):
+        return _special(x, duration)
     if x == 0:
         return "0 s"
     if x < 0.1:
@@ -87,12 +92,8 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 def size(nbytes) -> str:
     """A byte count in binary units to 3 significant digits: 1536 -> "1.50 KiB", 2**30 -> "1.00 GiB"."""
     x = _finite(nbytes)
-    if x is None:
-        return MISSING
-    if x < 0:
-        return "-" + size(-x)
-    if math.isinf(x):
-        return "inf"
+    if x is None or x < 0 or math.isinf(x):
+        return _special(x, size)
     unit = 0
     while x >= 1023.5 and unit < len(_UNITS) - 1:  # 1023.5 B would read "1,024 B": one unit up instead
         x /= 1024
