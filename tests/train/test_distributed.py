@@ -37,6 +37,11 @@ TOLERANCE = 1e-5
 # a run that changes world size mid-way has summed in more orders than one that did not: after 6 steps its
 # parameters moved up to 1.03e-5 (relative) from one process's on 1 -> 3 and 2 -> 3
 RESHARD_TOLERANCE = 5e-5
+# Some small tensors are ill-conditioned in fp32: one process with 4 samples per micro-batch instead of 2 ends
+# 5.9e-5 (relative) from itself in the 192 weights of blocks.1.attn.conv0_weight, 94% of it in one element whose
+# AdamW update divides near-cancelling moments. Such a tensor may differ from one process by ORDER_FACTOR times
+# what one process differs from itself under another order of sums; a sharding bug moves weights by far more.
+ORDER_FACTOR = 3.0
 
 
 def _config(tmp_path: Path, dataset: Path, name: str = "run.toml", **sections) -> Path:
@@ -58,7 +63,8 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _assert_same_training(run: Path, reference: Path, tolerance: float = TOLERANCE) -> None:
     """Every step of `run` as `reference` (one process, a checkpoint at every step) has it: the batches and
-    the loss (within TOLERANCE), and the final parameters (within `tolerance`)."""
+    the loss (within TOLERANCE), and the final parameters (within `tolerance`, or ORDER_FACTOR times the gap
+    between `reference` and its twin that sums in another order, whichever is larger)."""
     rows = read_metrics(run)
     expected = {r["step"]: r for r in read_metrics(reference)}
     for row in rows:
@@ -68,16 +74,21 @@ def _assert_same_training(run: Path, reference: Path, tolerance: float = TOLERAN
     last = f"step_{rows[-1]['step']:08d}"
     ours = zaya.load_model(run).state_dict()
     theirs = zaya.load_model(reference / "checkpoints" / last).state_dict()
+    twin = zaya.load_model(reference.with_name(reference.name + "-twin") / "checkpoints" / last).state_dict()
     assert set(ours) == set(theirs)
     for name in theirs:
-        assert _relative(ours[name], theirs[name]) <= tolerance, name
+        bound = max(tolerance, ORDER_FACTOR * _relative(twin[name], theirs[name]))
+        assert _relative(ours[name], theirs[name]) <= bound, name
 
 
 def _reference(root: Path, dataset: Path, **sections) -> Path:
-    """The run in one process, 6 steps, a checkpoint after each."""
+    """The run in one process, 6 steps, a checkpoint after each; beside it its twin, the same run with 4 samples
+    per micro-batch instead of 2, which sums the same gradients in another order."""
     run = root / "reference"
-    sections = {**sections, "train": {"max_steps": 6}, "checkpoint": {"every": 1, "keep": 10}}
-    Trainer(load_config(_config(root, dataset, "reference.toml", **sections)), run).run()
+    for name, micro_batch in (("reference", 2), ("reference-twin", 4)):
+        steps = {**sections, "train": {"max_steps": 6, "micro_batch_size": micro_batch},
+                 "checkpoint": {"every": 1, "keep": 10}}
+        Trainer(load_config(_config(root, dataset, f"{name}.toml", **steps)), root / name).run()
     return run
 
 
