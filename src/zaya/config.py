@@ -25,6 +25,7 @@ from typing import Any
 
 import tomllib
 
+from zaya.data.order import DEFAULT_BLOCK_SIZE, DEFAULT_GROUP_BLOCKS
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
 from zaya.model.presets import PRESETS, get_preset
@@ -74,6 +75,10 @@ class DataSection:
     ramp_start: int = 0  # the global batch size the ramp starts at
     ramp_increment: int = 0  # sequences added to the batch at each step of the ramp
     ramp_samples: int = 0  # consumed sequences over which the batch grows to train.global_batch_size
+    # The sample order's two-level shuffle (zaya.data.order). Large blocks read few places on disk; a short run
+    # on a small corpus wants block_size 1, or its first thousand steps see a few dozen places of it only.
+    block_size: int = DEFAULT_BLOCK_SIZE  # consecutive sequences that stay together (1: each from anywhere)
+    group_blocks: int = DEFAULT_GROUP_BLOCKS  # blocks whose sequences are shuffled together
 
 
 @dataclass
@@ -329,6 +334,8 @@ def _validate(config: RunConfig) -> None:
         raise ZayaError(f"{config.source}: train.global_batch_size ({train.global_batch_size}) is not a multiple of "
                         f"train.micro_batch_size ({train.micro_batch_size})")
     _positive(config, "data.seq_len", config.data.seq_len)
+    _positive(config, "data.block_size", config.data.block_size)
+    _positive(config, "data.group_blocks", config.data.group_blocks)
     _positive(config, "checkpoint.every", config.checkpoint.every)
     _positive(config, "checkpoint.keep", config.checkpoint.keep)
     _positive(config, "logging.log_every", config.logging.log_every)

@@ -154,7 +154,20 @@ def test_bad_input_is_refused_with_one_line_and_nothing_written(dataset, tmp_pat
     _assert_refused(_train(write_config(bad, dataset, train={"max_steps": "many"}), run), "train.max_steps")
     _assert_refused(_train(write_config(bad, dataset, model={"preset": "huge"}), run), "model.preset", "huge")
     _assert_refused(_train(write_config(bad, tmp_path / "nowhere"), run), "nowhere")
+    _assert_refused(_train(write_config(bad, dataset, data={"block_size": 0}), run), "data.block_size", "positive")
     assert not run.exists()
+
+
+def test_the_sample_orders_blocks_are_the_configs(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 2},
+                          data={"block_size": 1, "group_blocks": 8})
+    Trainer(load_config(config), tmp_path / "run").run()
+    state = ckpt.read_json(ckpt.resolve_checkpoint(tmp_path / "run") / ckpt.TRAIN_STATE_FILE)["state"]
+    (loader,) = state["loaders"].values()
+    assert (loader["block_size"], loader["group_blocks"]) == (1, 8)
+    # the loader's state names its order: resuming with other blocks is a changed dataset
+    other = write_config(tmp_path / "other.toml", dataset, train={"max_steps": 3})
+    _assert_refused(_train(other, tmp_path / "run"), "'block_size' is 1", "--allow-data-change")
 
 
 def test_a_changed_dataset_is_refused_unless_allowed(dataset, tmp_path):

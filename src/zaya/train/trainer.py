@@ -244,15 +244,18 @@ class Trainer(TrainingSignals, TrainingPhases, TrainingStops):
     def _loader(self, index: int) -> TokenLoader:
         phase = self.phases[index]
         self.loader_phase = index
+        data = self.config.data
         loader = TokenLoader([(s.path, s.weight) for s in phase.sources], phase.seq_len, self.config.train.seed,
-                             rank=self.parallel.dp_rank, world_size=self.parallel.dp_size)
+                             rank=self.parallel.dp_rank, world_size=self.parallel.dp_size,
+                             block_size=data.block_size, group_blocks=data.group_blocks)
         saved = self.state.loaders.get(phase.name)
         if saved is not None:
             try:
                 loader.load_state_dict(saved)
-            except ZayaError:
+            except ZayaError as error:
                 if not self.allow_data_change:
-                    raise
+                    raise ZayaError(f"{self.resume_from}: {error}; pass --allow-data-change to continue in this "
+                                    "config's order") from None
                 loader.load_state_dict({**loader.state_dict(), "consumed_samples": saved["consumed_samples"],
                                         "skip_ranges": saved.get("skip_ranges", [])})
         self.state.fingerprints[phase.name] = [d.fingerprint for d in loader.datasets]
