@@ -29,7 +29,7 @@ def _plan_json(capsys, *args: str) -> dict:
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_counts_are_those_of_zaya_params_and_the_flops_convention(preset):
-    config = load_config(ROOT / "configs" / "tiny.toml", [f"model.preset={preset!r}".replace("'", '"'),
+    config = load_config(ROOT / "configs" / "small.toml", [f"model.preset={preset!r}".replace("'", '"'),
                                                           "data.seq_len=1024"])
     plan = plan_run(config, 8, get_device("h100")).to_dict()
     report = parameter_report(get_preset(preset, temp_init=1.0))
