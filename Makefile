@@ -41,7 +41,7 @@ $(DEMO_STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[report]'
 	@touch $(DEMO_STAMP)
 
-# The demo: build a dataset from the Python standard library, train a tiny ZAYA1-style model on it for 5.5
+# The demo: build a dataset from the Python standard library, train a tiny ZAYA1-style model on it for six
 # minutes (a time budget: configs/tiny.toml; resuming if runs/tiny already has checkpoints), sample from it,
 # evaluate it and write the run report.
 DEMO_RUN ?= runs/tiny

@@ -1,4 +1,4 @@
-"""`make demo` from a fresh clone, timed: setup (venv and packages), then the demo itself (data build, 5.5
+"""`make demo` from a fresh clone, timed: setup (venv and packages), then the demo itself (data build, six
 minutes of training, sampling, evaluation, report), against the promise of 10 minutes in all and a held-out
 loss of at most 0.50 ln(vocab).
 
