@@ -145,10 +145,10 @@ def timed_decay(step: int, trained_s: float, budget_s: float, decay_fraction: fl
         return None
     left, steps = budget_s - trained_s, 0
     while step + steps < planned_decay_start:
-        cost = batch_at(samples) * sample_seconds
-        if left < cost / 2:  # the step that would end nearest the budget is the last
+        batch = batch_at(samples)
+        if left < batch * sample_seconds / 2:  # the step that would end nearest the budget is the last
             break
-        left, samples, steps = left - cost, samples + batch_at(samples), steps + 1
+        left, samples, steps = left - batch * sample_seconds, samples + batch, steps + 1
     return step + max(1, steps)
 
 
@@ -170,17 +170,16 @@ class TrainingStops:
         """The step the run ends at: train.max_steps, or the end of a timed decay if that comes first."""
         return min(self.config.train.max_steps, self.state.schedule_steps or self.config.train.max_steps)
 
-    def _take_controls(self, control: list[float], batch: int) -> str | None:
+    def _take_controls(self, control: list[float]) -> str | None:
         """Apply what the step's all-reduce brought (the same on every rank): rank 0's time for the previous
-        step, the time budget's decay decision; returns why the run must stop after this step, if it must.
-        `batch` is this step's global batch (the previous step's is remembered for its time)."""
+        step (of `self._last_batch` sequences), the time budget's decay decision; returns why the run must stop
+        after this step, if it must."""
         signals, deadline, previous = control
         state = self.state
-        previous_batch, self._previous_batch = getattr(self, "_previous_batch", 0), batch
-        if previous > 0 and previous_batch:
+        if previous > 0 and self._last_batch:
             state.train_seconds += previous
             state.step_times = [*state.step_times, previous][-10:]
-            state.sample_times = [*state.sample_times, previous / previous_batch][-10:]
+            state.sample_times = [*state.sample_times, previous / self._last_batch][-10:]
         train, schedule = self.config.train, self.config.schedule
         if train.time_budget_s and not state.schedule_steps and state.sample_times:
             planned = schedule.total_steps - schedule.decay_steps

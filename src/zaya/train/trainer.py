@@ -354,7 +354,7 @@ class Trainer(TrainingSignals, TrainingPhases, TrainingStops):
         self.state.samples += global_batch
         self.state.tokens += tokens
         self.state.phase_tokens += tokens
-        stop = self._take_controls(control, global_batch)
+        stop = self._take_controls(control)
         counts = counts.double()
         expert_share = counts[:, :-1] / counts.sum(1, keepdim=True).clamp_min(1)
         return {
@@ -478,6 +478,7 @@ class Trainer(TrainingSignals, TrainingPhases, TrainingStops):
         last: dict = {}
         peak = self.peak * self.launch.world_size
         self._last_seconds = 0.0  # rank 0's time of the step before, sent with the next step's statistics
+        self._last_batch = 0  # that step's global batch (the same on every rank)
         try:
             while not self._stop_at_start() and self.state.step < self.end_step():
                 self.heartbeat.beat("step", self.state.step)
@@ -487,6 +488,7 @@ class Trainer(TrainingSignals, TrainingPhases, TrainingStops):
                 stop = row.pop("stop")
                 synchronize(self.device)
                 seconds = self._last_seconds = time.perf_counter() - started
+                self._last_batch = row["batch_size"]
                 tokens_per_s = row["batch_size"] * self.phases[self.state.phase].seq_len / seconds
                 row.update(step=self.state.step, time=time.time(), step_time=seconds, tokens_per_s=tokens_per_s,
                            mfu=tokens_per_s * self.flops_per_token / peak)
