@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 from common import header
 from trainer_overhead import make_dataset
+from zaya.checkpoint.files import drop_from_page_cache, prewarm
 from zaya.config import load_config
-from zaya.train.checkpoint_files import drop_from_page_cache, prewarm
 from zaya.train.metrics import read_metrics
-from zaya.train.trainer import Trainer
+from zaya.training import build_trainer
 
 warnings.filterwarnings("ignore")
 
@@ -89,7 +89,7 @@ def main() -> None:
         root = Path(tmp)
         data = make_dataset(root)
         (root / "run.toml").write_text(config_text(data, args.preset, 1, async_save=False, precision=args.precision))
-        trainer = Trainer(load_config(root / "run.toml"), root / "run")
+        trainer = build_trainer(load_config(root / "run.toml"), root / "run")
         trainer.run()  # one step: optimizer moments exist
         newest = trainer.manager.committed()[-1]
         total = sum(p.stat().st_size for p in newest.iterdir() if p.is_file())
@@ -99,7 +99,7 @@ def main() -> None:
             plain_times.append(plain_write(root, total))
             for async_save, bucket in ((False, sync_times), (True, async_blocked)):
                 trainer.config.checkpoint.async_save = async_save
-                trainer.state.step += 1
+                trainer.progress.step += 1
                 start = time.perf_counter()
                 trainer.save()
                 bucket.append(time.perf_counter() - start)  # what the training loop waits for
@@ -117,7 +117,7 @@ def main() -> None:
               f"share {blocked / sync:.1%} (target <= 20%)")
 
         # restart: a fresh process resumes from the newest checkpoint and runs one step
-        steps = trainer.state.step + 1
+        steps = trainer.progress.step + 1
         (root / "run.toml").write_text(config_text(data, args.preset, steps, async_save=False,
                                                    precision=args.precision))
         for label in ("cold page cache", "warm page cache"):

@@ -24,8 +24,10 @@ import numpy as np
 import torch
 
 from common import header
+from zaya.data.dataset_reader import Dataset, open_dataset
+from zaya.data.dataset_writer import DatasetWriter
 from zaya.data.loader import TokenLoader
-from zaya.data.shards import Dataset, DatasetWriter, open_dataset, token_dtype
+from zaya.data.shards import token_dtype
 from zaya.data.tokenizer import describe, tokenizer_bytes, train_bpe
 
 BATCH, SEQ_LEN = 8, 2048

@@ -46,7 +46,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     warnings.filterwarnings("ignore")
     import zaya
     from zaya.config import RunConfig
-    from zaya.optim import OptimConfig, build_optimizer
+    from zaya.optim.config import OptimConfig
+    from zaya.optim.hybrid import build_optimizer
     from zaya.parallel.dtensor import clip_grad_norm_, local, local_bytes
     from zaya.parallel.fsdp import fsdp_volume, parallelize
     from zaya.parallel.launch import Launch
@@ -97,9 +98,9 @@ def run(world: int, args: argparse.Namespace) -> list[dict]:
 def plan_balance(presets: list[str], worlds: list[int]) -> None:
     from zaya.model.presets import get_preset
     from zaya.model.transformer import Zaya
-    from zaya.optim import split_parameters
+    from zaya.optim.distributed import MatrixLayout, plan_owners
+    from zaya.optim.hybrid import split_parameters
     from zaya.parallel.fsdp import shard_dim
-    from zaya.parallel.muon import MatrixLayout, plan_owners
 
     for preset in presets:
         with torch.device("meta"):

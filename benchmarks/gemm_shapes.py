@@ -14,15 +14,8 @@ import argparse
 import time
 
 from common import header
-from zaya.plan.shapes import (
-    DEFAULT_BUDGET_S,
-    DEFAULT_TOKENS,
-    format_recommendations,
-    format_skipped,
-    format_table,
-    recommend,
-    sweep,
-)
+from zaya.plan.shapes import DEFAULT_BUDGET_S, DEFAULT_TOKENS, sweep
+from zaya.plan.shapes_report import format_recommendations, format_skipped, format_table, recommend
 
 
 def main() -> None:

@@ -36,7 +36,9 @@ import torch
 import zaya
 from common import header
 from zaya.model.params import parameter_report
-from zaya.optim import Muon, newton_schulz, newton_schulz_flops, split_parameters
+from zaya.optim.hybrid import split_parameters
+from zaya.optim.muon import Muon
+from zaya.optim.ns_iteration import newton_schulz, newton_schulz_flops
 
 TOKENS_PER_STEP = 4 * 1024 * 1024
 HYPER = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw")

@@ -54,9 +54,10 @@ def _rank(rank: int, world: int, port: int, kwargs: dict, steps: int, threads: i
     import warnings
 
     warnings.filterwarnings("ignore")
+    from zaya.parallel.launch import Launch
     from zaya.plan.measure import measured_step
 
-    result = measured_step(**kwargs, steps=steps)
+    result = measured_step(Launch.from_env(os.environ), **kwargs, steps=steps)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -171,7 +172,8 @@ def memory_part(report: Report, cases, steps: int) -> bool:
 def time_part(report: Report, cases, tables: dict[str, str], budget_s: float) -> bool:
     """The step-time comparisons; False where a measurement failed."""
     from zaya.plan.compare import predicted_step
-    from zaya.plan.shapes import EfficiencyTable, sweep
+    from zaya.plan.shapes import sweep
+    from zaya.plan.table import EfficiencyTable
 
     threads = torch.get_num_threads()
     ok = True

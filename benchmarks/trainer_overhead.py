@@ -29,9 +29,10 @@ from zaya.config import load_config
 from zaya.data.build import BuildOptions, build_dataset
 from zaya.data.loader import TokenLoader
 from zaya.model.transformer import Zaya
-from zaya.optim import OptimConfig, build_optimizer
+from zaya.optim.config import OptimConfig
+from zaya.optim.hybrid import build_optimizer
 from zaya.train.metrics import read_metrics
-from zaya.train.trainer import Trainer
+from zaya.training import build_trainer
 
 warnings.filterwarnings("ignore")
 
@@ -115,7 +116,7 @@ def main() -> None:
         root = Path(tmp)
         data = make_dataset(root)
         config = load_config(write_config(root / "run.toml", data, args))
-        Trainer(config, root / "run").run()
+        build_trainer(config, root / "run").run()
         stamps = [row["time"] for row in read_metrics(root / "run")]
         trainer_step = (stamps[-1] - stamps[args.skip - 1]) / (len(stamps) - args.skip)
         bare = bare_loop(config, data, args)

@@ -8,8 +8,15 @@ import pytest
 
 import zaya
 from modeling import perturb
+from runs import build_code_dataset
 
 warnings.filterwarnings("ignore", message=".*TypedStorage.*")
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    """A small real dataset: the Python sources of two standard-library packages, with a 400-token BPE."""
+    return build_code_dataset(tmp_path_factory.mktemp("data"), ["json", "email"], val_fraction=0.2)
 
 
 @pytest.fixture

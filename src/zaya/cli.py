@@ -11,19 +11,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-import torch
 
-from zaya.errors import StartupFailed, ZayaError
+from zaya.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, STOPPED_LINE, StartupFailed, ZayaError
 
 if TYPE_CHECKING:
+    import torch
+
     from zaya.parallel.launch import Launch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+# --dtype's names, and the torch dtype each means (torch is imported only by the commands that run a model)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else DTYPES[name]
+    import torch
+
+    return None if name is None else getattr(torch, DTYPES[name])
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -49,8 +53,8 @@ def params(model: str, as_json: bool) -> None:
 
 
 def _config_of_dir(path: Path):
-    from zaya.api import read_hf_config, resolve_model_dir
-    from zaya.train.checkpoint import read_checkpoint_config
+    from zaya.checkpoint import read_checkpoint_config
+    from zaya.infer.loading import read_hf_config, resolve_model_dir
 
     if not path.exists():
         from zaya.model.presets import PRESETS
@@ -103,16 +107,18 @@ def _parse_ids(text: str) -> list[int]:
 def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature, top_p, seed, output, tokenizer,
              device, dtype, stop_at_eos, compile_, shard_kv, shard_kernel) -> None:
     """Continue a prompt with a model (with --shard-kv under torchrun: over a KV cache split across the ranks)."""
-    from zaya.api import load_model, resolve_model_dir
+    import torch
+
+    from zaya.data.tokenizer import find_tokenizer, load_tokenizer
     from zaya.device import rank_device, resolve_device
     from zaya.infer.generate import Sampling, check_prompt
     from zaya.infer.generate import generate as run_generate
+    from zaya.infer.loading import load_model, resolve_model_dir
     from zaya.infer.static import CompiledDecoder
-    from zaya.infer.tokenizer import find_tokenizer, load_tokenizer
     from zaya.parallel.launch import Launch
 
     # with --shard-kv every rank checks its input; bad input on any of them stops all of them, reported once
-    launch = Launch.from_env() if shard_kv else Launch()
+    launch = Launch.from_env(os.environ) if shard_kv else Launch()
     with launch.startup():
         if (prompt is None) == (prompt_ids is None):
             raise ZayaError("give exactly one of --prompt and --prompt-ids")
@@ -248,7 +254,7 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, a
     from zaya.config import load_config
     from zaya.parallel.launch import Launch
 
-    launch = Launch.from_env()
+    launch = Launch.from_env(os.environ)
     if print_config:
         from zaya.config_toml import to_toml
 
@@ -258,35 +264,38 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, a
             click.echo(to_toml(config), nl=False)
         return
     if print_param_groups:
+        import torch
+
         from zaya.model.transformer import Zaya
-        from zaya.optim import describe_param_groups
+        from zaya.optim.hybrid import describe_param_groups
 
         config = load_config(config_path, list(overrides))
         with torch.device("meta"):
             model = Zaya(config.model_config())
         click.echo(describe_param_groups(model, config.optim))
         return
-    from zaya.train.trainer import Trainer
+    from zaya.training import TrainingJob
 
     run_dir = run_dir or Path("runs") / config_path.stem
     # every rank checks its config and inputs; bad input on any of them stops all of them, reported once
     with launch.startup():
         config = load_config(config_path, list(overrides))
         launch.init_timeout_s = config.parallel.init_timeout_s
-        trainer = Trainer(config, run_dir, allow_data_change=allow_data_change, launch=launch)
+        job = TrainingJob.check(config, run_dir, launch=launch, environ=os.environ,
+                                allow_data_change=allow_data_change)
+    trainer = job.trainer()
     last = trainer.run()
+    step = trainer.progress.step
     if trainer.stopped:
-        from zaya.train.preemption import EXIT_PREEMPTED, STOPPED_LINE
-
-        if trainer.launch.is_main:
-            click.echo(f"{STOPPED_LINE} {trainer.state.step} ({trainer.stopped}); exit code {EXIT_PREEMPTED}: "
-                       f"resubmit the same command to resume; run directory {run_dir}")
+        if launch.is_main:
+            click.echo(f"{STOPPED_LINE} {step} ({trainer.stopped}); exit code {EXIT_PREEMPTED}: resubmit the same "
+                       f"command to resume; run directory {run_dir}")
         raise click.exceptions.Exit(EXIT_PREEMPTED)
     if not last:
-        click.echo(f"nothing to do: {run_dir} is already at step {trainer.state.step} of {config.train.max_steps}")
+        click.echo(f"nothing to do: {run_dir} is already at step {step} of {config.train.max_steps}")
         return
     summary = {k: last[k] for k in ("step", "loss", "eval_loss", "tokens") if k in last}
-    if trainer.launch.is_main:
+    if launch.is_main:
         click.echo(f"done: {json.dumps(summary)}; run directory {run_dir}")
 
 
@@ -324,7 +333,7 @@ def evaluate(model_path: Path, data_path: Path | None, tasks: str | None, split:
         raise ZayaError(f"{', '.join(misplaced)} {'does' if len(misplaced) == 1 else 'do'} not apply to "
                         f"{'--tasks' if tasks is not None else '--data'}")
     if data_path is not None:
-        from zaya.train.evaluate import evaluate_model
+        from zaya.evals.heldout import evaluate_model
 
         result = evaluate_model(model_path, data_path, split=split or "val", seq_len=seq_len or 512,
                                 batch_size=batch_size, max_batches=max_batches, device=device, record=True)
@@ -378,7 +387,7 @@ def supervise(policy_file: Path | None, state_dir: Path | None, node: str | None
     5 nothing left to run on."""
     from zaya.resilience.supervisor import supervise as run_supervisor
 
-    code = run_supervisor(list(command), policy_file, state_dir, node)
+    code = run_supervisor(list(command), policy_file, state_dir, node, environ=os.environ)
     if code:
         raise click.exceptions.Exit(code)
 
@@ -410,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             click.echo(f"zaya: error{f' (rank {rank})' if rank else ''}: {exc}", err=True)
         if isinstance(exc, StartupFailed):
             exc.reported()
-        return 2
+        return EXIT_BAD_INPUT
     except click.exceptions.Abort:
         click.echo("zaya: aborted", err=True)
         return 130

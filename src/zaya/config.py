@@ -25,138 +25,27 @@ from typing import Any
 
 import tomllib
 
-from zaya.data.order import DEFAULT_BLOCK_SIZE, DEFAULT_GROUP_BLOCKS
+from zaya.data.config import DataSection, Source
+from zaya.data.ramp import ramp_for
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
-from zaya.model.presets import PRESETS, get_preset
-from zaya.optim import OptimConfig
+from zaya.model.presets import ModelSection
+from zaya.optim.config import OptimConfig
 from zaya.optim.schedule import ScheduleConfig
-from zaya.parallel.fsdp import ACTIVATION_CHECKPOINTING
-from zaya.parallel.mesh import ParallelConfig
+from zaya.parallel.config import ACTIVATION_CHECKPOINTING, ParallelConfig
+from zaya.train.config import (
+    PRECISIONS,
+    WANDB_MODES,
+    BalanceSection,
+    CheckpointSection,
+    LoggingSection,
+    Phase,
+    TrainSection,
+)
+from zaya.train.run import ResolvedRun
 
 # keys that moved: a config that still uses one is told where it went
 MOVED_KEYS = {"train.collective_timeout_s": "parallel.timeout_s"}
-PRECISIONS = ("bf16", "fp32", "auto")
-WANDB_MODES = ("", "online", "offline", "disabled")
-
-
-@dataclass
-class ModelSection:
-    preset: str = "tiny"  # the model's shape: a name in zaya.model.presets.PRESETS
-    # Any ZayaConfig field, replacing the preset's value (e.g. temp_init, fp32_logits, rope_theta).
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-    def build(self, source: str) -> ZayaConfig:
-        if self.preset not in PRESETS:
-            raise ZayaError(f"{source}: model.preset '{self.preset}' does not exist (known: {', '.join(PRESETS)})")
-        known = {f.name for f in dataclasses.fields(ZayaConfig)}
-        for key in self.overrides:
-            if key not in known:
-                raise ZayaError(f"{source}: unknown key 'model.{key}'")
-        try:
-            return get_preset(self.preset, **self.overrides)
-        except ZayaError as exc:
-            raise ZayaError(f"{source}: {exc}") from None
-
-
-@dataclass
-class Source:
-    """A dataset (a `zaya data build` output directory) and its weight in a mixture."""
-
-    path: str  # a dataset directory (a `zaya data build` output)
-    weight: float = 1.0  # its share of the phase's samples, relative to the other sources' weights
-
-
-@dataclass
-class DataSection:
-    path: str = ""  # the default source; phases may name their own mixtures
-    seq_len: int = 512  # tokens per training sequence (a phase may set its own)
-    # Batch-size ramp in sequences (Megatron's rule); ramp_samples = 0 means the full batch from the start.
-    ramp_start: int = 0  # the global batch size the ramp starts at
-    ramp_increment: int = 0  # sequences added to the batch at each step of the ramp
-    ramp_samples: int = 0  # consumed sequences over which the batch grows to train.global_batch_size
-    # The sample order's two-level shuffle (zaya.data.order). Large blocks read few places on disk; a short run
-    # on a small corpus wants block_size 1, or its first thousand steps see a few dozen places of it only.
-    block_size: int = DEFAULT_BLOCK_SIZE  # consecutive sequences that stay together (1: each from anywhere)
-    group_blocks: int = DEFAULT_GROUP_BLOCKS  # blocks whose sequences are shuffled together
-
-
-@dataclass
-class TrainSection:
-    seed: int = 0  # seeds the model's initialisation and the data order
-    max_steps: int = 100  # optimizer steps to train for (and schedule.total_steps unless that is set)
-    micro_batch_size: int = 8  # sequences per rank per forward/backward; steps accumulate over them
-    global_batch_size: int = 8  # sequences per optimizer step once any ramp is over
-    # "bf16" (autocast, fp32 master weights), "fp32", or "auto": bf16 on accelerators and on CPUs whose bf16
-    # matmuls are fast (measured at start), fp32 on the CPUs that emulate bf16 (~100x slower there), where
-    # Newton-Schulz then runs in fp32 too (optim.ns_dtype)
-    precision: str = "bf16"
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    eval_every: int = 50  # steps between held-out evaluations; 0 disables
-    eval_batches: int = 8  # global batches of held-out windows in each evaluation
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
-    # torch.compile each block (fuses the elementwise work; costs a compilation at start, needs a C++
-    # compiler on CPUs and Triton on GPUs)
-    compile: bool = False
-    # recompute activations in backward instead of keeping them: "none", "full" (every block keeps only its
-    # input) or "moe" (the MoE sublayers, whose expert activations are the largest)
-    activation_checkpointing: str = "none"
-    # a wall-clock limit on this process (a scheduler's, minus a margin): before it, the run writes a checkpoint
-    # and exits with code 75 (EXIT_PREEMPTED) so that the resubmitted job resumes; 0: none
-    max_time_s: float = 0.0
-    # train for this much time in all (summed over resumes) instead of to max_steps, which stays a cap: the
-    # wsd decay begins when the budget's last `schedule.decay_fraction` begins, spans the remaining time at
-    # the measured step rate, and the run ends with it; 0: none
-    time_budget_s: float = 0.0
-
-
-@dataclass
-class BalanceSection:
-    """The balancing-bias controller (spec section 5.3): PID on the per-layer expert load error."""
-
-    kp: float = 0.0  # proportional gain on the load error
-    ki: float = 1e-3  # integral gain: the step of the accumulated error term
-    kd: float = 0.0  # derivative gain on the change of the error
-    # "linear": the integral term adds ki * error (the PID form); "sign": adds ki * sign(error), which with
-    # kp = kd = 0 is DeepSeek-V3's loss-free balancing.
-    error: str = "linear"
-    enabled: bool = True  # false: the balancing biases are never updated
-
-
-@dataclass
-class CheckpointSection:
-    dir: str = ""  # default: RUN_DIR/checkpoints
-    every: int = 100  # steps between checkpoints; the last step is always saved
-    keep: int = 3  # the newest checkpoints kept; older ones are deleted
-    async_save: bool = False  # stage the tensors in memory and write them while training goes on
-
-
-@dataclass
-class LoggingSection:
-    log_every: int = 1  # steps between logged metric rows
-    tensorboard: bool = True  # write TensorBoard events to the run directory
-    progress: bool = True  # a progress bar on rank 0
-    # append each step's global sample positions to RUN_DIR/samples.jsonl: a record of what was trained on
-    record_samples: bool = False
-    # Weights & Biases (the optional `wandb` extra): config and metrics as they are logged, the report's plots at
-    # the end; a resumed run continues the same W&B run
-    wandb: bool = False
-    wandb_project: str = "zaya"  # the W&B project
-    wandb_name: str = ""  # default: the run directory's name
-    wandb_mode: str = ""  # "online", "offline" or "disabled"; default: WANDB_MODE, else online
-
-
-@dataclass
-class Phase:
-    """One stage of the curriculum; it ends once `tokens` tokens were trained in it (0: never)."""
-
-    name: str = "main"  # unique; names the phase in logs and checkpoints
-    tokens: int = 0  # tokens to train in this phase; 0: no limit (only the last phase)
-    sources: list[Source] = field(default_factory=list)  # the mixture ([[phases.sources]]); empty: [data.path]
-    seq_len: int = 0  # 0: data.seq_len
-    lr_scale: float = 1.0  # multiplies the schedule inside this phase
-    rope_theta: float = 0.0  # 0: keep the model's
-    cp: int = 0  # context-parallel ranks per sequence in this phase; 0: parallel.cp
 
 
 @dataclass
@@ -190,6 +79,26 @@ class RunConfig:
         data = dataclasses.asdict(self)
         data.pop("source")
         return data
+
+    def resolve(self, world_size: int, precision: str | None = None) -> ResolvedRun:
+        """This config resolved for a job of `world_size` ranks (`zaya.train.run`; its `check_job` says whether
+        the job fits). `precision` decides `train.precision = "auto"` ("bf16" or "fp32", as measured on the device
+        or recorded by the run being resumed); in fp32 so chosen, Newton-Schulz runs in fp32 too: its bf16
+        products would be as slow as the model's."""
+        precision = precision or self.train.precision
+        if precision not in ("bf16", "fp32"):
+            raise ZayaError(f"{self.source}: train.precision = {self.train.precision!r} needs a decision "
+                            "('bf16' or 'fp32') before the run is resolved")
+        optim = self.optim
+        if self.train.precision == "auto" and precision == "fp32":
+            optim = dataclasses.replace(optim, ns_dtype="float32")
+        train = dataclasses.replace(self.train, precision=precision)
+        resolved = dataclasses.replace(self, train=train, optim=optim)
+        ramp = ramp_for(self.data.ramp_start, self.data.ramp_increment, train.global_batch_size,
+                        self.data.ramp_samples)
+        return ResolvedRun(self.source, world_size, resolved.model_config(), tuple(resolved.resolved_phases()), ramp,
+                           precision, train, self.data, optim, self.schedule, self.balance, self.checkpoint,
+                           self.logging, self.parallel, resolved.to_dict())
 
 
 # ---- loading ------------------------------------------------------------------------------------------

@@ -25,16 +25,15 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from zaya.config import MOVED_KEYS, PRECISIONS, WANDB_MODES, ModelSection, RunConfig
+from zaya.config import MOVED_KEYS, RunConfig
 from zaya.config_toml import toml_value
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
-from zaya.model.presets import PRESETS, get_preset
-from zaya.optim.muon import ADJUST_LR_FNS
-from zaya.optim.ns_iteration import NS_BACKENDS, NS_DTYPES
+from zaya.model.presets import PRESETS, ModelSection, get_preset
+from zaya.optim.config import ADJUST_LR_FNS, NS_BACKENDS, NS_DTYPE_NAMES
 from zaya.optim.schedule import DECAY_SHAPES, SCHEDULES
-from zaya.parallel.fsdp import ACTIVATION_CHECKPOINTING
-from zaya.parallel.mesh import BACKENDS, CP_KERNELS, CP_SHARDINGS
+from zaya.parallel.config import ACTIVATION_CHECKPOINTING, BACKENDS, CP_KERNELS, CP_SHARDINGS
+from zaya.train.config import PRECISIONS, WANDB_MODES
 
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 REGENERATE = "python -m zaya.config_docs --write"
@@ -46,7 +45,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "model.preset": tuple(PRESETS),
     "train.precision": PRECISIONS,
     "train.activation_checkpointing": ACTIVATION_CHECKPOINTING,
-    "optim.ns_dtype": tuple(NS_DTYPES),
+    "optim.ns_dtype": NS_DTYPE_NAMES,
     "optim.ns_backend": NS_BACKENDS,
     "optim.adjust_lr_fn": ADJUST_LR_FNS,
     "schedule.kind": SCHEDULES,

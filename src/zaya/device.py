@@ -75,6 +75,48 @@ def peak_memory_bytes(device: torch.device) -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kilobytes elsewhere
 
 
+def is_accelerator(device: torch.device) -> bool:
+    """Whether `device` is a GPU (CUDA or ROCm) rather than the host's CPU."""
+    return device.type == "cuda"
+
+
+def accelerator_name(device: torch.device) -> str | None:
+    """The accelerator's name as its driver reports it ("NVIDIA H100 80GB HBM3"), None for the CPU."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def default_accelerator() -> torch.device:
+    """The device type a plan for a GPU models the code's choices on, whether or not one is present here."""
+    return torch.device("cuda")
+
+
+def backend_fits(backend: str, device: torch.device) -> bool:
+    """Whether the collective library `backend` can move tensors of `device` (NCCL/RCCL need a GPU)."""
+    return backend != "nccl" or device.type == "cuda"
+
+
+def accelerator_rng_states() -> list[torch.Tensor]:
+    """The random-number-generator states of every visible accelerator (none on a machine without one)."""
+    return list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else []
+
+
+def set_accelerator_rng_states(states: list[torch.Tensor]) -> None:
+    """Restore `accelerator_rng_states()`; states saved where there was an accelerator are ignored where none is."""
+    if states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states)
+
+
+def device_present(device: str | torch.device) -> bool:
+    """Whether `device` exists here: an accelerator named on a machine that has none does not."""
+    return torch.device(device).type != "cuda" or torch.cuda.is_available()
+
+
+def compiles_newton_schulz(device: torch.device) -> bool:
+    """Whether Newton-Schulz's `auto` backend compiles the iteration on `device`: on accelerators, where one
+    kernel per step beats the eager iteration's launches; the CPU keeps the eager, block-symmetric form."""
+    return device.type == "cuda"
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued work on `device` (a no-op on the CPU); benchmarks call this around timed regions."""
     if device.type == "cuda":
@@ -175,19 +217,6 @@ def measure_matmul_flops(
             return 2 * side**3 * runs / elapsed
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(FLOP/s, source): the published dense bf16 peak of a known GPU (`zaya.plan.devices`) in bf16 or fp16,
-    else a measurement on this device."""
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        from zaya.plan.devices import match_device
-
-        name = torch.cuda.get_device_name(device)
-        spec = match_device(name)
-        if spec is not None:
-            return spec.peak_flops["bf16"], f"table ({name})"
-    return measure_matmul_flops(device, dtype), "measured"
-
-
 def fast_bf16_matmul(device: torch.device) -> bool:
     """Whether bf16 matmuls on `device` run at least half as fast as fp32 ones: always on an accelerator; on a
     CPU measured (about 0.2 s), since only CPUs with native bf16 instructions (AVX-512 BF16, AMX) have them."""
@@ -196,14 +225,6 @@ def fast_bf16_matmul(device: torch.device) -> bool:
     bf16 = measure_matmul_flops(device, torch.bfloat16, size=512, seconds=0.05)
     fp32 = measure_matmul_flops(device, torch.float32, size=512, seconds=0.05)
     return bf16 >= 0.5 * fp32
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """`train.precision` as the trainer runs it: "auto" becomes "bf16" where bf16 matmuls are fast
-    (`fast_bf16_matmul`), else "fp32"; "bf16" and "fp32" stay."""
-    if precision != "auto":
-        return precision
-    return "bf16" if fast_bf16_matmul(device) else "fp32"
 
 
 def default_gemm_dtype(device: torch.device) -> torch.dtype:

@@ -1,8 +1,23 @@
-"""The one exception type for mistakes a user can make (bad files, bad fields, bad arguments).
+"""The one exception type for mistakes a user can make (bad files, bad fields, bad arguments), and the exit codes
+that the `zaya` commands end with.
 
 The CLI turns a `ZayaError` into a single line on stderr and exit code 2; any other exception is a bug and
 keeps its traceback.
 """
+
+# Exit codes. `zaya train` ends with 0, EXIT_BAD_INPUT or EXIT_PREEMPTED; `zaya supervise` with any of them.
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2  # a ZayaError: bad input, said in one line
+EXIT_NO_PROGRESS = 3  # the supervisor restarted K times without getting further
+EXIT_STOPPED = 4  # a policy rule said stop, or this node was cordoned
+EXIT_EXHAUSTED = 5  # nothing left to run on: every GPU cordoned, or every restart spent
+# sysexits' EX_TEMPFAIL, "a temporary failure; the user is invited to retry": the run stopped early with a
+# checkpoint (a scheduler's signal, train.max_time_s) and the same command resumes it. Not 0 (the run is not
+# done), not 1 (nothing went wrong), not 2 (bad input), not 128 + N (it did not die of the signal).
+EXIT_PREEMPTED = 75
+# how `zaya train` begins the line it prints when it stops early: a supervisor that sees it under torchrun (which
+# turns a worker's 75 into 1) knows the stop for what it is
+STOPPED_LINE = "stopped at step"
 
 
 class ZayaError(Exception):

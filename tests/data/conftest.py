@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zaya.data.shards import DatasetWriter, token_dtype
+from zaya.data.dataset_writer import DatasetWriter
+from zaya.data.shards import token_dtype
 from zaya.data.tokenizer import tokenizer_bytes, train_bpe
 
 WORDS = (

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from zaya.data import build as build_module
+from zaya.data import build_worker as build_worker_module
 from zaya.data import compressed as compressed_module
 from zaya.data import json_array as json_array_module
 from zaya.data.build import BuildOptions, build_dataset
 from zaya.data.cli import data
 from zaya.data.corpus import ReadOptions, Selection, discover, location, read_piece, split_file
-from zaya.data.shards import BUILD_FILE, open_dataset
+from zaya.data.dataset_reader import open_dataset
+from zaya.data.shards import BUILD_FILE
 from zaya.errors import ZayaError
 
 pa = pytest.importorskip("pyarrow")
@@ -245,8 +246,8 @@ def test_many_streamed_pieces_over_workers_and_buffers(tmp_path, documents, monk
         raw = _jsonl(tmp_path / "part.jsonl", part).read_bytes()
         name = f"part{shard}.jsonl.gz" if shard % 2 else f"part{shard}.jsonl.zst"
         (tmp_path / "shards" / name).write_bytes(gzip.compress(raw) if shard % 2 else _zstd(raw))
-    monkeypatch.setattr(build_module, "_BUFFER_BYTES", 2000)
-    monkeypatch.setattr(build_module, "_ENCODE_CHARS", 500)
+    monkeypatch.setattr(build_worker_module, "_BUFFER_BYTES", 2000)
+    monkeypatch.setattr(build_worker_module, "_ENCODE_CHARS", 500)
     spread = _build(tmp_path, "spread", [tmp_path / "shards"], workers=2)
     _same_dataset(open_dataset(reference.path), open_dataset(spread.path))
     assert json.loads((spread.path / BUILD_FILE).read_text())["files"] == 5
@@ -480,7 +481,7 @@ def test_cli_include_exclude_split(tmp_path, saved_datasets):
 _MEMORY_SCRIPT = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
-    from zaya.data import build
+    from zaya.data import build, build_units, build_worker
     from zaya.data.corpus import ReadOptions, discover
 
     def megabytes(key):  # VmRSS: resident now; VmHWM: the peak so far
@@ -488,7 +489,7 @@ _MEMORY_SCRIPT = textwrap.dedent("""
             return next(int(line.split()[1]) / 1024 for line in status if line.startswith(key))
 
     corpus, out, tokenizer, log = sys.argv[1:5]
-    job = build._encode_job
+    job = build_worker.encode_job
 
     def measured_job(unit):  # runs in the worker: its resident memory before the job, and its peak after
         before = megabytes("VmRSS:")
@@ -497,12 +498,12 @@ _MEMORY_SCRIPT = textwrap.dedent("""
             handle.write(json.dumps({"before": before, "peak": megabytes("VmHWM:")}) + "\\n")
         return result
 
-    build._encode_job = measured_job
+    build.encode_job = measured_job  # where the build looks it up
     before = megabytes("VmRSS:")
     # the tokenizer's sample as the BPE trainer reads it, taking the whole corpus (a sample larger than it)
     options = build.BuildOptions(inputs=(corpus,), out=Path(out), tokenizer_sample_bytes=1 << 40)
     files = discover(options.inputs)
-    pieces = build._plan(files, ReadOptions(), 2)
+    pieces = build_units.plan_pieces(files, ReadOptions(), 2)
     sampled = sum(len(text) for text in build._training_texts(options, files, pieces, ReadOptions()))
     sample_peak = megabytes("VmHWM:")
     report = build.build_dataset(build.BuildOptions(inputs=(corpus,), out=Path(out), tokenizer=Path(tokenizer),

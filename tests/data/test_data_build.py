@@ -11,9 +11,12 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from zaya.data import build as build_module
+from zaya.data import build_units as build_units_module
+from zaya.data import build_worker as build_worker_module
 from zaya.data import corpus as corpus_module
 from zaya.data.build import BuildOptions, build_dataset
-from zaya.data.shards import BUILD_FILE, open_dataset
+from zaya.data.dataset_reader import open_dataset
+from zaya.data.shards import BUILD_FILE
 from zaya.errors import ZayaError
 
 
@@ -44,7 +47,7 @@ def corpus(tmp_path, synthetic_documents, write_corpus):
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Cut even a small corpus into many units of work, and record how many processes ran them."""
-    monkeypatch.setattr(build_module, "_MIN_PIECE_BYTES", 2048)
+    monkeypatch.setattr(build_units_module, "_MIN_PIECE_BYTES", 2048)
     pools = []
     mapper = build_module._mapper
 
@@ -110,7 +113,7 @@ def test_super_shards_hold_the_same_stream(tmp_path, corpus):
 
 
 def test_long_documents_are_tokenized_in_parts(tmp_path, monkeypatch):
-    monkeypatch.setattr(build_module, "_PART_CHARS", 300)
+    monkeypatch.setattr(build_worker_module, "_PART_CHARS", 300)
     text = "".join(f"line {i} of a long document\n" for i in range(400))
     (tmp_path / "long.txt").write_text(text)
     dataset = open_dataset(_build(tmp_path, "d", [tmp_path / "long.txt"], val_fraction=0.0).path)

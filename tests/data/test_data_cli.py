@@ -4,7 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from zaya.data.cli import data
-from zaya.data.shards import open_dataset
+from zaya.data.dataset_reader import open_dataset
 from zaya.errors import ZayaError
 
 

@@ -8,7 +8,7 @@ import torch
 from zaya.data import loader as loader_module
 from zaya.data.loader import TokenLoader
 from zaya.data.ramp import BatchRamp
-from zaya.data.shards import SplitTokens
+from zaya.data.split_tokens import SplitTokens
 from zaya.errors import ZayaError
 
 SEQ = 16

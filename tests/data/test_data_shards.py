@@ -3,7 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from zaya.data.shards import MANIFEST_FILE, DatasetWriter, open_dataset, staged_directory
+from zaya.data.dataset_reader import open_dataset
+from zaya.data.dataset_writer import DatasetWriter, staged_directory
+from zaya.data.shards import MANIFEST_FILE
 from zaya.errors import ZayaError
 
 

@@ -19,16 +19,16 @@ TASKS = Path(__file__).parent / "tasks"
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory) -> Path:
     """A micro model trained for 30 steps on the json package's sources; returns the run directory."""
-    from train.conftest import build_code_dataset, write_config
+    from runs import build_code_dataset, write_config
     from zaya.config import load_config
-    from zaya.train.trainer import Trainer
+    from zaya.training import build_trainer
 
     root = tmp_path_factory.mktemp("evals")
     data = build_code_dataset(root, ["json"], val_fraction=0.2)
     config = write_config(root / "run.toml", data,
                           train={"max_steps": 30, "eval_every": 1000, "micro_batch_size": 8},
                           checkpoint={"every": 30, "keep": 1}, optim={"lr": 0.01, "ns_dtype": "float32"})
-    Trainer(load_config(config), root / "run").run()
+    build_trainer(load_config(config), root / "run").run()
     return root / "run"
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from zaya import checkpoint
 from zaya.evals.records import run_dir_of, task_metrics
-from zaya.train import checkpoint
 
 TASKS = Path(__file__).parent / "tasks"
 LM_EVAL_KEYS = {"time", "step", "model", "kind", "tasks", "num_fewshot", "limit", "results_file"}

@@ -12,12 +12,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import zaya
-from train.conftest import build_code_dataset, write_config
+from runs import build_code_dataset, write_config
+from zaya import checkpoint
 from zaya.config import load_config
 from zaya.infer.generate import generate
 from zaya.infer.hf_files import HF_FILES, training_hints
-from zaya.train import checkpoint
-from zaya.train.trainer import Trainer
+from zaya.training import build_trainer
 
 TEXTS = ["def f(x):\n    return x + 1\n", "import json\nprint(json.dumps({'a': [1, 2.5]}))",
          "  leading spaces and unicode: caf\u00e9 \u03bb \u2192 \U0001f600", "tokens <eos> and <bos> inside"]
@@ -30,7 +30,7 @@ def trained(tmp_path_factory):
     data = build_code_dataset(root, ["json"], val_fraction=0.2)
     config = write_config(root / "run.toml", data, train={"max_steps": 30, "eval_every": 1000, "micro_batch_size": 8},
                           checkpoint={"every": 30, "keep": 1}, optim={"lr": 0.01, "ns_dtype": "float32"})
-    Trainer(load_config(config), root / "run").run()
+    build_trainer(load_config(config), root / "run").run()
     assert zaya.convert(root / "run", root / "hf") == "zaya->hf"
     return root / "run", root / "hf"
 

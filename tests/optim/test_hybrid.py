@@ -12,8 +12,9 @@ import torch
 
 import zaya
 from zaya.errors import ZayaError
-from zaya.optim import Muon, MuonAdamW, OptimConfig, build_optimizer, describe_param_groups, split_parameters
-from zaya.optim.hybrid import adamw_defaults
+from zaya.optim.config import OptimConfig
+from zaya.optim.hybrid import MuonAdamW, adamw_defaults, build_optimizer, describe_param_groups, split_parameters
+from zaya.optim.muon import Muon
 
 
 def meta_model(preset: str) -> zaya.Zaya:

@@ -13,9 +13,8 @@ import torch
 
 import zaya.optim.ns_iteration as ns_module
 from zaya.errors import ZayaError
-from zaya.optim import Muon, muon_update, newton_schulz, orthogonalize
-from zaya.optim.muon import adjusted_lr
-from zaya.optim.ns_iteration import NS_COEFFICIENTS
+from zaya.optim.muon import Muon, adjusted_lr, muon_update
+from zaya.optim.ns_iteration import NS_COEFFICIENTS, newton_schulz, orthogonalize
 
 # square, tall, wide, stacked tall experts, stacked wide experts
 SHAPES = [(48, 48), (64, 32), (32, 64), (4, 48, 24), (3, 24, 48)]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from zaya.errors import ZayaError
-from zaya.optim import ScheduleConfig, build_optimizer, cosine, set_lr_multiplier, wsd
+from zaya.optim.hybrid import build_optimizer
+from zaya.optim.schedule import ScheduleConfig, cosine, set_lr_multiplier, wsd
 
 
 def test_wsd_phases():

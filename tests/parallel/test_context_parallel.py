@@ -16,8 +16,8 @@ from zaya.model.attention import CompressedConvAttention
 from zaya.model.layers import RotaryEmbedding
 from zaya.parallel import cp_attention
 from zaya.parallel.comm import CommCounter
+from zaya.parallel.config import ParallelConfig
 from zaya.parallel.context import ContextParallel, SequenceLayout
-from zaya.parallel.mesh import ParallelConfig
 
 SHARDINGS = ("headtail", "contiguous")
 KERNELS = ("allgather", "ring")

@@ -9,9 +9,10 @@ import torch
 from ranks import run_distributed
 from zaya.model.presets import get_preset
 from zaya.model.transformer import Zaya
-from zaya.optim import Muon, split_parameters
+from zaya.optim.distributed import MatrixLayout, plan_owners
+from zaya.optim.hybrid import split_parameters
+from zaya.optim.muon import Muon
 from zaya.parallel.fsdp import shard_dim
-from zaya.parallel.muon import MatrixLayout, plan_owners
 
 # uneven rows, even rows, a wide matrix; stacks that split along E on some world sizes and along their rows
 # (or unevenly along E, leaving shards empty) on others

@@ -4,24 +4,22 @@ activation checkpointing that changes no number (router statistics included)."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 
 import zaya
 from ranks import run_distributed
-from zaya.config import RunConfig
 from zaya.model.transformer import RouterStats
+from zaya.parallel.config import ParallelConfig, ParallelizeConfig
 from zaya.parallel.fsdp import fsdp_volume, parallelize
 from zaya.parallel.launch import Launch
-from zaya.parallel.mesh import ParallelConfig, init_parallel
+from zaya.parallel.mesh import init_parallel
 
 
-def _run_config(precision: str = "fp32", checkpointing: str = "none") -> RunConfig:
-    config = RunConfig()
-    config.train.precision = precision
-    config.train.activation_checkpointing = checkpointing
-    return config
+def _run_config(precision: str = "fp32", checkpointing: str = "none") -> ParallelizeConfig:
+    return ParallelizeConfig(activation_checkpointing=checkpointing, bf16=precision == "bf16")
 
 
 def _model(**overrides):
@@ -29,7 +27,7 @@ def _model(**overrides):
 
 
 def _volume_worker(rank: int, world: int, replicas: int, precision: str) -> dict:
-    context = init_parallel(ParallelConfig(dp_replicate=replicas), torch.device("cpu"), Launch.from_env())
+    context = init_parallel(ParallelConfig(dp_replicate=replicas), torch.device("cpu"), Launch.from_env(os.environ))
     model = parallelize(_model(fp32_logits=True), context.fsdp_mesh, _run_config(precision), context.counter)
     seen = {}
 

@@ -5,10 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zaya.device import peak_flops
 from zaya.errors import ZayaError
-from zaya.plan.devices import DEVICES, describe_devices, device_names, get_device, local_device, match_device
-from zaya.plan.shapes import EfficiencyTable, GemmRecord
+from zaya.plan.devices import (
+    DEVICES,
+    describe_devices,
+    device_names,
+    get_device,
+    local_device,
+    match_device,
+    peak_flops,
+)
+from zaya.plan.table import EfficiencyTable, GemmRecord
 
 
 def test_names_are_lower_case_and_cover_the_reference_devices():
@@ -87,7 +94,7 @@ def _table() -> EfficiencyTable:
     )
 
 
-def test_local_device_comes_from_a_measured_table(tmp_path, monkeypatch):
+def test_local_device_comes_from_a_measured_table(tmp_path):
     spec = get_device("local", _table())
     assert spec.name == "local" and spec.gpus_per_node == 1 and spec.sources == ()
     assert spec.peak_flops == {"fp32": 1e11, "bf16": 1e9}
@@ -95,17 +102,15 @@ def test_local_device_comes_from_a_measured_table(tmp_path, monkeypatch):
     assert spec.gemm_efficiency == pytest.approx(2 * 1024**3 / 0.025 / 1e11)
     assert spec == local_device(_table())
 
-    monkeypatch.setenv("ZAYA_CACHE", str(tmp_path))
     missing = r"no measured table for the local device at .*local-fp32\.json: run `zaya shapes` first"
     with pytest.raises(ZayaError, match=missing):
-        get_device("local", dtype="fp32")
+        get_device("local", dtype="fp32", cache=tmp_path)
     _table().save(tmp_path / "shapes" / "local-fp32.json")
-    assert get_device("local", dtype="fp32") == spec
+    assert get_device("local", dtype="fp32", cache=tmp_path) == spec
 
 
-def test_describe_devices_lists_every_device(tmp_path, monkeypatch):
-    monkeypatch.setenv("ZAYA_CACHE", str(tmp_path))
-    text = describe_devices()
+def test_describe_devices_lists_every_device(tmp_path):
+    text = describe_devices(tmp_path)
     for name in device_names():
         assert f"\n{name} " in text
     assert "1307.4" in text and "989.4" in text and "not measured yet" in text

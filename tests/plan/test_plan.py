@@ -31,7 +31,7 @@ def _plan_json(capsys, *args: str) -> dict:
 def test_counts_are_those_of_zaya_params_and_the_flops_convention(preset):
     config = load_config(ROOT / "configs" / "small.toml", [f"model.preset={preset!r}".replace("'", '"'),
                                                           "data.seq_len=1024"])
-    plan = plan_run(config, 8, get_device("h100")).to_dict()
+    plan = plan_run(config.resolve(8), get_device("h100")).to_dict()
     report = parameter_report(get_preset(preset, temp_init=1.0))
     assert (plan["params_total"], plan["params_active"], plan["params_embedding"]) == \
         (report.total, report.active, report.embedding)
@@ -64,7 +64,7 @@ def test_one_h100_does_not_fit_and_the_smallest_layout_that_does_is_named(capsys
     assert smallest["gpus"] > 1 and smallest["layout"]["gpus"] == smallest["gpus"]
     # and that layout does fit when planned on its own
     layout = Layout(**smallest["layout"])
-    assert plan_run(load_config(BASE), layout.gpus, get_device("h100"), layout=layout).fits
+    assert plan_run(load_config(BASE).resolve(layout.gpus), get_device("h100"), layout=layout).fits
     text_code = main(["plan", str(BASE), "--gpus", "1", "--device", "h100"])
     out = capsys.readouterr().out
     assert text_code == 0 and "does NOT fit" in out and "smallest layout that fits" in out
@@ -93,9 +93,9 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
 
 
 def test_search_ranks_fitting_layouts_and_gives_reasons_for_the_rest():
-    config = load_config(BASE)
-    ranked = search_layouts(config, 64, 8, get_device("h100"))
-    assert len(ranked) == len(layouts(config, 64, 8))
+    run = load_config(BASE).resolve(64)
+    ranked = search_layouts(run, 8, get_device("h100"))
+    assert len(ranked) == len(layouts(run, 8))
     fitting = [c for c in ranked if not c.reason]
     rejected = [c for c in ranked if c.reason]
     assert fitting and rejected
@@ -121,7 +121,7 @@ def test_a_group_spans_nodes_only_when_its_members_do():
 
 def test_more_gpus_need_less_state_per_gpu_and_checkpointing_less_activation_memory():
     config = load_config(BASE)
-    eight, sixty_four = (plan_run(config, n, get_device("h200")).first.memory for n in (8, 64))
+    eight, sixty_four = (plan_run(config.resolve(n), get_device("h200")).first.memory for n in (8, 64))
     assert sixty_four.parameters < eight.parameters / 7
-    modes = plan_run(config, 8, get_device("h200")).first.activations_by_mode
+    modes = plan_run(config.resolve(8), get_device("h200")).first.activations_by_mode
     assert modes["full"] < modes["moe"] < modes["none"]

@@ -12,19 +12,11 @@ import zaya.device
 import zaya.plan.shapes as shapes_module
 from zaya.errors import ZayaError
 from zaya.model.presets import get_preset
-from zaya.plan.shapes import (
-    ALIGNMENTS,
-    EfficiencyTable,
-    GemmRecord,
-    ModelDims,
-    attention_shape,
-    default_table_path,
-    model_gemms,
-    recommend,
-    sweep,
-    variant_values,
-)
+from zaya.plan.gemms import ModelDims, attention_shape, model_gemms, variant_values
+from zaya.plan.shapes import sweep
 from zaya.plan.shapes_cli import shapes as shapes_command
+from zaya.plan.shapes_report import ALIGNMENTS, recommend
+from zaya.plan.table import EfficiencyTable, GemmRecord, cache_dir, default_table_path
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +147,18 @@ def test_recommendations_come_from_the_measurements(table):
         assert json.loads(json.dumps(rec.to_dict()))["dimension"] == rec.dimension
 
 
-def test_default_table_path_follows_the_cache_variables(monkeypatch, tmp_path):
-    monkeypatch.setenv("ZAYA_CACHE", str(tmp_path / "z"))
-    assert default_table_path("bf16") == tmp_path / "z" / "shapes" / "local-bf16.json"
-    monkeypatch.delenv("ZAYA_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert default_table_path("fp32") == tmp_path / "x" / "zaya" / "shapes" / "local-fp32.json"
+def test_default_table_path_follows_the_cache_variables(tmp_path):
+    cache = cache_dir({"ZAYA_CACHE": str(tmp_path / "z"), "XDG_CACHE_HOME": str(tmp_path / "x")})
+    assert default_table_path("bf16", cache) == tmp_path / "z" / "shapes" / "local-bf16.json"
+    cache = cache_dir({"XDG_CACHE_HOME": str(tmp_path / "x")})
+    assert default_table_path("fp32", cache) == tmp_path / "x" / "zaya" / "shapes" / "local-fp32.json"
+
+
+def test_the_commands_help_shows_the_sweeps_defaults():
+    """`zaya shapes` states them without importing the sweep (so that `zaya --help` loads no torch)."""
+    from zaya.plan import shapes, shapes_cli
+
+    assert (shapes_cli.DEFAULT_TOKENS, shapes_cli.DEFAULT_BUDGET_S) == (shapes.DEFAULT_TOKENS, shapes.DEFAULT_BUDGET_S)
 
 
 # ---- the command -------------------------------------------------------------------------------------------

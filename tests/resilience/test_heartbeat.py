@@ -12,11 +12,19 @@ from zaya.resilience.command import WorkerCommand
 from zaya.resilience.heartbeat import Heartbeat, HeartbeatSettings, HeartbeatWatcher, process_state
 
 
-def test_inert_without_a_directory(tmp_path, monkeypatch):
-    monkeypatch.delenv("ZAYA_HEARTBEAT_DIR", raising=False)
-    beat = Heartbeat.from_env(0)
+def test_inert_without_a_directory(tmp_path):
+    beat = Heartbeat(None, 0)
     beat.beat("step", 3)
+    beat("eval", 3)
     assert not beat.enabled and list(tmp_path.iterdir()) == []
+
+
+def test_as_a_trainer_listener_it_beats_for_sections_only(tmp_path):
+    beat = Heartbeat(tmp_path, 2)
+    beat("step", 5)
+    beat("committed", 5, tmp_path)  # a checkpoint event: no section
+    record = json.loads((tmp_path / "rank-2.json").read_text())
+    assert (record["section"], record["step"], record["rank"]) == ("step", 5, 2)
 
 
 def test_the_timeout_follows_the_measured_step_time(tmp_path):

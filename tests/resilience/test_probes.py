@@ -11,16 +11,9 @@ from pathlib import Path
 import pytest
 
 from zaya.errors import ZayaError
-from zaya.resilience.probes import (
-    AMD_SMI_ARGS,
-    NVIDIA_SMI_ARGS,
-    GpuProbe,
-    NicProbe,
-    ProbeConfig,
-    StorageProbe,
-    build_probes,
-    gpu_backend,
-)
+from zaya.resilience.gpu_probe import AMD_SMI_ARGS, NVIDIA_SMI_ARGS, GpuProbe, gpu_backend
+from zaya.resilience.probe_config import ProbeConfig
+from zaya.resilience.probes import NicProbe, StorageProbe, build_probes
 
 CAT = shutil.which("cat")
 

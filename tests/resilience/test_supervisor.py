@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import zaya
-from conftest import write_config
 from ranks import run_command
+from runs import write_config
 from zaya.cli import main
+from zaya.errors import EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_PREEMPTED, EXIT_STOPPED
 from zaya.resilience.incidents import read_incidents
 from zaya.resilience.processes import descendants, process_state
-from zaya.resilience.supervisor import EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_PREEMPTED, EXIT_STOPPED
 from zaya.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow

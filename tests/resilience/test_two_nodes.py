@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 
 import zaya
-from conftest import write_config
 from ranks import free_port
+from runs import write_config
+from zaya.errors import EXIT_OK, EXIT_STOPPED
 from zaya.resilience.incidents import read_incidents
 from zaya.resilience.processes import descendants, signal_all
-from zaya.resilience.supervisor import EXIT_OK, EXIT_STOPPED
 from zaya.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import zaya
+from zaya import checkpoint
 from zaya.errors import ZayaError
-from zaya.train import checkpoint
 
 
 def test_save_and_load_round_trip(make_model, tmp_path):

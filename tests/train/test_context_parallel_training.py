@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_config
 from ranks import torchrun
+from runs import write_config
 from zaya.config import load_config
 from zaya.train.metrics import read_metrics
-from zaya.train.trainer import Trainer
+from zaya.training import build_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def _assert_same_losses(run: Path, reference: Path) -> None:
 def single(dataset, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("single")
     run = root / "reference"
-    Trainer(load_config(_config(root, dataset, train={"max_steps": 6})), run).run()
+    build_trainer(load_config(_config(root, dataset, train={"max_steps": 6})), run).run()
     return run
 
 
@@ -92,7 +92,7 @@ def test_a_long_context_phase_moves_to_its_cp_size_at_the_boundary(dataset, tmp_
     # one process trains the same curriculum with the same losses (its phases carry no cp)
     reference = tmp_path / "reference"
     plain = [{k: v for k, v in phase.items() if k != "cp"} for phase in phases]
-    Trainer(load_config(_config(tmp_path, dataset, "reference.toml", **{**sections, "phases": plain})),
+    build_trainer(load_config(_config(tmp_path, dataset, "reference.toml", **{**sections, "phases": plain})),
             reference).run()
     _assert_same_losses(run, reference)
     assert [r["phase"] for r in read_metrics(run)] == ["short", "short", "long", "long"]

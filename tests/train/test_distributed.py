@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import zaya
-from conftest import write_config
 from ranks import free_port, run_command, torchrun
+from runs import write_config
+from zaya import checkpoint as ckpt
 from zaya.config import load_config
 from zaya.errors import ZayaError
-from zaya.train import checkpoint as ckpt
 from zaya.train.metrics import read_metrics
-from zaya.train.trainer import Trainer
+from zaya.training import build_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ def _reference(root: Path, dataset: Path, **sections) -> Path:
     for name, micro_batch in (("reference", 2), ("reference-twin", 4)):
         steps = {**sections, "train": {"max_steps": 6, "micro_batch_size": micro_batch},
                  "checkpoint": {"every": 1, "keep": 10}}
-        Trainer(load_config(_config(root, dataset, f"{name}.toml", **steps)), root / name).run()
+        build_trainer(load_config(_config(root, dataset, f"{name}.toml", **steps)), root / name).run()
     return run
 
 

@@ -1,34 +1,61 @@
-"""train.precision = "auto": the precision this device is fast in, the same on every rank, recorded in the run."""
+"""train.precision = "auto": the precision this device is fast in, decided once per run, the same on every rank,
+recorded in the run and its checkpoints, and kept by a resume whatever the device measures then."""
 
 import json
 
 import pytest
 
-from conftest import write_config
+from runs import write_config
+from zaya import checkpoint as ckpt
 from zaya.config import load_config
 from zaya.errors import ZayaError
-from zaya.train import trainer as trainer_module
-from zaya.train.trainer import Trainer
+from zaya.training import build_trainer
 
 
-@pytest.mark.parametrize("measured", ["bf16", "fp32"])
-def test_auto_trains_in_the_measured_precision_and_records_it(dataset, tmp_path, monkeypatch, measured):
-    monkeypatch.setattr(trainer_module, "resolve_precision", lambda precision, device: measured)
+def _fast(answer: bool):
+    return lambda device: answer
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["bf16", "fp32"])
+def test_auto_trains_in_the_measured_precision_and_records_it(dataset, tmp_path, fast):
+    measured = "bf16" if fast else "fp32"
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 2, "precision": "auto",
                                                                  "eval_every": 0})
     run = tmp_path / "run"
-    trainer = Trainer(load_config(config), run)
+    trainer = build_trainer(load_config(config), run, measure_bf16=_fast(fast))
     trainer.run()
-    assert trainer.config.train.precision == measured
-    assert trainer.config.optim.ns_dtype == ("bfloat16" if measured == "bf16" else "float32")
+    assert trainer.config.precision == trainer.config.train.precision == measured
+    assert trainer.config.optim.ns_dtype == ("bfloat16" if fast else "float32")
     assert json.loads((run / "run_config.json").read_text())["train"]["precision"] == measured
+    assert ckpt.read_json(ckpt.resolve_checkpoint(run) / ckpt.INFO_FILE)["precision"] == measured
     assert f"cpu (cpu), {measured};" in (run / "train.log").read_text()
 
 
-def test_auto_with_compile_on_a_slow_bf16_device_is_one_clear_error(dataset, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "resolve_precision", lambda precision, device: "fp32")
+def test_a_resumed_run_keeps_its_precision_when_the_measurement_differs(dataset, tmp_path):
+    config = load_config(write_config(tmp_path / "run.toml", dataset, train={"max_steps": 4, "precision": "auto",
+                                                                             "eval_every": 0},
+                                      checkpoint={"every": 2}))
+    run = tmp_path / "run"
+    first = build_trainer(config, run, measure_bf16=_fast(False))  # a machine under load measures slow bf16
+    first.run()
+    assert first.config.precision == "fp32"
+    resumed = build_trainer(load_config(write_config(tmp_path / "more.toml", dataset,
+                                                     train={"max_steps": 6, "precision": "auto", "eval_every": 0},
+                                                     checkpoint={"every": 2})),
+                            run, measure_bf16=_fast(True))  # ... and fast bf16 now
+    assert resumed.resume_from.name == "step_00000004"
+    assert resumed.config.precision == "fp32" and resumed.config.optim.ns_dtype == "float32"
+    resumed.run()
+    assert ckpt.read_json(ckpt.resolve_checkpoint(run) / ckpt.INFO_FILE)["precision"] == "fp32"
+    # a run that asks for a precision gets it, whatever the checkpoint says
+    explicit = build_trainer(load_config(write_config(tmp_path / "bf16.toml", dataset,
+                                                      train={"max_steps": 8, "precision": "bf16"})), run)
+    assert explicit.config.precision == "bf16"
+
+
+def test_auto_with_compile_on_a_slow_bf16_device_is_one_clear_error(dataset, tmp_path):
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 2, "precision": "auto",
                                                                  "compile": True})
     with pytest.raises(ZayaError, match=r"train\.compile needs bf16"):
-        Trainer(load_config(config), tmp_path / "run").run()
-    assert not list((tmp_path / "run").glob("checkpoints/step_*")) and not (tmp_path / "run" / "metrics.jsonl").exists()
+        build_trainer(load_config(config), tmp_path / "run", measure_bf16=_fast(False)).run()
+    assert not (tmp_path / "run").exists()

@@ -13,17 +13,18 @@ import pytest
 import torch
 from test_trainer import _final_tensors, _losses, _train
 
-from conftest import write_config
 from ranks import torchrun
+from runs import write_config
+from zaya import checkpoint as ckpt
 from zaya.config import load_config
-from zaya.train import checkpoint as ckpt
+from zaya.errors import EXIT_PREEMPTED
 from zaya.train.metrics import read_metrics
-from zaya.train.preemption import EXIT_PREEMPTED, StepClock, deadline_reached, time_origin, timed_decay
-from zaya.train.trainer import Trainer
+from zaya.train.stops import StepClock, deadline_reached, time_origin, timed_decay
+from zaya.training import build_trainer
 
 
 def _committed(run_dir: Path) -> int:
-    return ckpt.read_json(ckpt.resolve_checkpoint(run_dir) / ckpt.CONFIG_FILE)["step"]
+    return ckpt.read_json(ckpt.resolve_checkpoint(run_dir) / ckpt.INFO_FILE)["step"]
 
 
 def _assert_same_run(a: Path, b: Path) -> None:
@@ -59,12 +60,9 @@ def test_the_timed_decay_starts_at_the_budgets_last_share():
     assert timed_decay(40, 71.0, **due, **ramp) == 40 + 10 + 2
 
 
-def test_the_job_clock_is_slurms_when_there_is_one(monkeypatch):
-    monkeypatch.setenv("SLURM_JOB_START_TIME", "1700000000")
-    assert time_origin() == 1700000000.0
-    monkeypatch.delenv("SLURM_JOB_START_TIME")
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    assert 0 <= time.time() - time_origin() < 3600  # this process's start
+def test_the_job_clock_is_slurms_when_there_is_one():
+    assert time_origin({"SLURM_JOB_START_TIME": "1700000000"}) == 1700000000.0
+    assert 0 <= time.time() - time_origin({}) < 3600  # this process's start
 
 
 # ---- signals ------------------------------------------------------------------------------------------
@@ -74,7 +72,7 @@ def test_the_job_clock_is_slurms_when_there_is_one(monkeypatch):
 def test_a_signal_mid_step_stops_after_it_with_a_checkpoint_and_resume_is_bitwise_identical(dataset, tmp_path,
                                                                                              sig):
     config = write_config(tmp_path / "run.toml", dataset, checkpoint={"every": 4, "keep": 2})
-    Trainer(load_config(config), tmp_path / "straight").run()
+    build_trainer(load_config(config), tmp_path / "straight").run()
 
     stopped = _train(config, tmp_path / "resumed", env={"ZAYA_FAULTS": f"{sig}@step:5"})
     assert stopped.returncode == EXIT_PREEMPTED, stopped.stderr
@@ -113,7 +111,7 @@ def _finish(process: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
 def test_sigterm_from_outside_at_any_moment(dataset, tmp_path):
     """The scheduler's way: a signal from another process, whenever it comes."""
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 14}, checkpoint={"every": 5})
-    Trainer(load_config(config), tmp_path / "straight").run()
+    build_trainer(load_config(config), tmp_path / "straight").run()
     run = tmp_path / "resumed"
     process = _start(config, run)
     _wait_for_step(process, run, 3)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import build_code_dataset, write_config
+from runs import build_code_dataset, write_config
+from zaya import checkpoint as ckpt
 from zaya.config import load_config
-from zaya.train import checkpoint as ckpt
 from zaya.train.metrics import read_metrics
-from zaya.train.trainer import Trainer
+from zaya.training import build_trainer
 
 
 def _train(config: Path, run_dir: Path, *args: str, env: dict | None = None, timeout: float = 300):
@@ -43,7 +43,7 @@ def _losses(run_dir: Path) -> list[tuple[int, float, float | None]]:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_sigkill_at_a_random_step_then_resume_is_bitwise_identical(dataset, tmp_path, precision):
     config = write_config(tmp_path / "run.toml", dataset, train={"precision": precision})
-    Trainer(load_config(config), tmp_path / "straight").run()
+    build_trainer(load_config(config), tmp_path / "straight").run()
 
     kill_at = random.Random(precision).randint(4, 8)  # after the checkpoint of step 3 or 6
     crashed = _train(config, tmp_path / "resumed", env={"ZAYA_FAULTS": f"sigkill@step:{kill_at}"})
@@ -78,7 +78,7 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(dataset, tmp_pa
 def test_a_damaged_shard_is_detected_and_the_previous_checkpoint_used(dataset, tmp_path, damage):
     config = load_config(write_config(tmp_path / "run.toml", dataset, train={"max_steps": 6},
                                       checkpoint={"keep": 3}))
-    Trainer(config, tmp_path / "run").run()
+    build_trainer(config, tmp_path / "run").run()
     newest = tmp_path / "run" / "checkpoints" / "step_00000006"
     shard = next(newest.glob("*.distcp"))
     data = bytearray(shard.read_bytes())
@@ -87,12 +87,12 @@ def test_a_damaged_shard_is_detected_and_the_previous_checkpoint_used(dataset, t
     else:
         data[len(data) // 3] ^= 0x10
     shard.write_bytes(bytes(data))
-    trainer = Trainer(load_config(write_config(tmp_path / "run.toml", dataset, train={"max_steps": 7},
+    trainer = build_trainer(load_config(write_config(tmp_path / "run.toml", dataset, train={"max_steps": 7},
                                                checkpoint={"keep": 3})), tmp_path / "run")
     assert trainer.resume_from.name == "step_00000003"
     assert (tmp_path / "run" / "checkpoints" / "step_00000006.bad").is_dir()  # kept aside, never deleted
     trainer.run()
-    assert trainer.state.step == 7
+    assert trainer.progress.step == 7
 
 
 def test_phases_switch_at_their_token_budgets_and_the_ramp_continues_across_resume(dataset, tmp_path):
@@ -103,7 +103,7 @@ def test_phases_switch_at_their_token_budgets_and_the_ramp_continues_across_resu
     config = write_config(tmp_path / "run.toml", dataset, phases=phases,
                           data={"ramp_start": 4, "ramp_increment": 4, "ramp_samples": 16},
                           train={"max_steps": 9}, checkpoint={"every": 4})
-    Trainer(load_config(config), tmp_path / "straight").run()
+    build_trainer(load_config(config), tmp_path / "straight").run()
     rows = read_metrics(tmp_path / "straight")
     batches = [r["batch_size"] for r in rows]
     assert batches == [4, 4, 4, 4, 8, 8, 8, 8, 8]
@@ -125,16 +125,19 @@ def test_phases_switch_at_their_token_budgets_and_the_ramp_continues_across_resu
 def test_controller_state_survives_resume(dataset, tmp_path):
     config = load_config(write_config(tmp_path / "run.toml", dataset, train={"max_steps": 6},
                                       balance={"ki": 0.01}))
-    trainer = Trainer(config, tmp_path / "run")
+    trainer = build_trainer(config, tmp_path / "run")
     trainer.run()
     biases = [b.moe.router.balancing_biases.clone() for b in trainer.model.blocks]
     assert any(torch.any(b[:-1] != 0) for b in biases) and all(b[-1] == -1 for b in biases)
-    again = Trainer(config, tmp_path / "run")
+    again = build_trainer(config, tmp_path / "run")
     again._build()
-    for block, expected in zip(again.model.blocks, biases, strict=True):
-        assert torch.equal(block.moe.router.balancing_biases, expected)
-    assert again.controller.state.steps == 6
-    assert torch.equal(again.controller.state.integral, trainer.controller.state.integral)
+    try:
+        for block, expected in zip(again.model.blocks, biases, strict=True):
+            assert torch.equal(block.moe.router.balancing_biases, expected)
+        assert again.controller.state.steps == 6
+        assert torch.equal(again.controller.state.integral, trainer.controller.state.integral)
+    finally:
+        again.parallel.close()
 
 
 def _assert_refused(result, *fragments):
@@ -161,7 +164,7 @@ def test_bad_input_is_refused_with_one_line_and_nothing_written(dataset, tmp_pat
 def test_the_sample_orders_blocks_are_the_configs(dataset, tmp_path):
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 2},
                           data={"block_size": 1, "group_blocks": 8})
-    Trainer(load_config(config), tmp_path / "run").run()
+    build_trainer(load_config(config), tmp_path / "run").run()
     state = ckpt.read_json(ckpt.resolve_checkpoint(tmp_path / "run") / ckpt.TRAIN_STATE_FILE)["state"]
     (loader,) = state["loaders"].values()
     assert (loader["block_size"], loader["group_blocks"]) == (1, 8)
@@ -172,7 +175,7 @@ def test_the_sample_orders_blocks_are_the_configs(dataset, tmp_path):
 
 def test_a_changed_dataset_is_refused_unless_allowed(dataset, tmp_path):
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 3})
-    Trainer(load_config(config), tmp_path / "run").run()
+    build_trainer(load_config(config), tmp_path / "run").run()
     other = build_code_dataset(tmp_path, ["json"], val_fraction=0.3)
     changed = write_config(tmp_path / "changed.toml", other, train={"max_steps": 5})
     before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
@@ -187,7 +190,7 @@ def test_a_checkpoint_whose_metadata_would_run_code_is_refused_everywhere(datase
 
     monkeypatch.chdir(tmp_path)
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 3})
-    Trainer(load_config(config), tmp_path / "run").run()
+    build_trainer(load_config(config), tmp_path / "run").run()
     target = tmp_path / "run" / "checkpoints" / "step_00000003" / ".metadata"
 
     class Payload:

@@ -6,14 +6,15 @@ from pathlib import Path
 
 import torch
 
-from conftest import write_config
+from runs import write_config
+from zaya import checkpoint as ckpt
 from zaya.config import load_config
 from zaya.resilience.incidents import read_incidents
 from zaya.resilience.policy import TrainingSettings
 from zaya.resilience.signals import SpikeDetector, as_ranges, straggler
-from zaya.train import checkpoint as ckpt
+from zaya.run_dir import SAMPLES_FILE
 from zaya.train.metrics import read_metrics
-from zaya.train.trainer import SAMPLES_FILE, Trainer
+from zaya.training import build_trainer
 
 
 def _tensors(directory: Path) -> dict:
@@ -26,12 +27,11 @@ def _tensors(directory: Path) -> dict:
     return {f"{top}.{k}": v for top, d in nested.items() for k, v in d.items()}
 
 
-def test_a_nan_step_is_skipped_and_changes_nothing(dataset, tmp_path, monkeypatch):
-    monkeypatch.setenv("ZAYA_FAULTS", "nan@step:5")
+def test_a_nan_step_is_skipped_and_changes_nothing(dataset, tmp_path):
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 8},
                           checkpoint={"every": 1, "keep": 10})
     run = tmp_path / "run"
-    Trainer(load_config(config), run).run()
+    build_trainer(load_config(config), run, environ={"ZAYA_FAULTS": "nan@step:5"}).run()
     rows = {row["step"]: row for row in read_metrics(run)}
     assert rows[6]["skipped"] and not any(rows[s]["skipped"] for s in rows if s != 6)
     before, after = _tensors(run / "checkpoints" / "step_00000005"), _tensors(run / "checkpoints" / "step_00000006")
@@ -46,15 +46,14 @@ def test_a_nan_step_is_skipped_and_changes_nothing(dataset, tmp_path, monkeypatc
     assert incident["signal"] == "nan" and incident["action"] == "skip_step" and incident["source"] == "trainer"
 
 
-def test_a_loss_spike_rolls_back_and_its_samples_are_never_trained(dataset, tmp_path, monkeypatch):
+def test_a_loss_spike_rolls_back_and_its_samples_are_never_trained(dataset, tmp_path):
     policy = tmp_path / "policy.toml"
     policy.write_text("[training]\nspike_min_history = 3\nspike_window = 5\nspike_ratio = 3.0\n")
-    monkeypatch.setenv("ZAYA_POLICY", str(policy))
-    monkeypatch.setenv("ZAYA_FAULTS", "spike=50@step:7")
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 10, "eval_every": 0},
                           logging={"record_samples": True})
     run = tmp_path / "run"
-    Trainer(load_config(config), run).run()
+    environ = {"ZAYA_POLICY": str(policy), "ZAYA_FAULTS": "spike=50@step:7"}
+    build_trainer(load_config(config), run, environ=environ).run()
 
     records = [json.loads(line) for line in (run / SAMPLES_FILE).read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8, 7, 8, 9, 10]  # back to checkpoint 6 at 8

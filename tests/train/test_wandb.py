@@ -14,13 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_config
+from runs import write_config
 from zaya.cli import main
-from zaya.config import LoggingSection, RunConfig, load_config
+from zaya.config import RunConfig, load_config
 from zaya.errors import ZayaError
+from zaya.run_dir import WANDB_ID_FILE as ID_FILE
 from zaya.train import metrics as metrics_module
+from zaya.train.config import LoggingSection
 from zaya.train.metrics import MetricsLogger, read_metrics
-from zaya.train.wandb_sink import ID_FILE, check_wandb, open_wandb
+from zaya.train.wandb_sink import check_wandb, open_wandb, wandb_mode
+from zaya.training import report_plots
 
 wandb_internal_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
@@ -109,6 +112,12 @@ def _config(**logging) -> RunConfig:
     return dataclasses.replace(RunConfig(), logging=LoggingSection(wandb=True, **logging))
 
 
+def _open(run_dir: Path, config: RunConfig, start_step: int):
+    """The sink `zaya train` opens, in the mode WANDB_MODE says unless the config does."""
+    mode = wandb_mode(config.logging, os.environ.get("WANDB_MODE", ""))
+    return open_wandb(run_dir, config.logging, config.to_dict(), start_step, mode)
+
+
 def _row(step: int, loss: float) -> dict:
     return {"step": step, "loss": loss, "lr": 8e-3, "batch_size": 8, "tokens": 256 * step, "phase": "main",
             "tokens_per_s": 1000.0 + step, "mfu": 0.015, "step_time": 0.25, "time": 1000.0 + step,
@@ -124,10 +133,10 @@ def test_rows_config_and_report_images_reach_wandb(tmp_path, offline):
     run_dir = tmp_path / "run"
     config = _config(wandb_project="tests", wandb_mode="offline")
     logger = MetricsLogger(run_dir, start_step=0, total_steps=4, tensorboard=False, progress=False,
-                           sink=open_wandb(run_dir, config, 0))
+                           sink=_open(run_dir, config, 0))
     for step in range(1, 5):
         logger.log({**_row(step, 3.0 - 0.1 * step), **({"eval_loss": 2.9} if step == 4 else {})})
-    logger.finish(run_dir)
+    logger.finish(lambda: report_plots(run_dir))
     logger.close()
 
     (segment,) = _segments(run_dir)
@@ -153,13 +162,13 @@ def test_rows_config_and_report_images_reach_wandb(tmp_path, offline):
 def test_a_resume_continues_the_run_and_its_newest_segment_holds_the_whole_history(tmp_path, offline):
     run_dir, config = tmp_path / "run", _config()
     first = MetricsLogger(run_dir, start_step=0, total_steps=8, tensorboard=False, progress=False,
-                          sink=open_wandb(run_dir, config, 0))
+                          sink=_open(run_dir, config, 0))
     for step in range(1, 7):  # a crash after step 6; the last checkpoint is step 4
         first.log(_row(step, 10.0 + step))
     first.close()
 
     second = MetricsLogger(run_dir, start_step=4, total_steps=8, tensorboard=False, progress=False,
-                           sink=open_wandb(run_dir, config, 4))
+                           sink=_open(run_dir, config, 4))
     for step in range(5, 9):
         second.log(_row(step, 20.0 + step))  # the replayed steps 5 and 6 differ from the crashed attempt's
     second.close()
@@ -175,7 +184,7 @@ def test_a_resume_continues_the_run_and_its_newest_segment_holds_the_whole_histo
 def test_a_run_that_raises_is_marked_failed(tmp_path, offline):
     run_dir = tmp_path / "run"
     logger = MetricsLogger(run_dir, start_step=0, total_steps=2, tensorboard=False, progress=False,
-                           sink=open_wandb(run_dir, _config(), 0))
+                           sink=_open(run_dir, _config(), 0))
     with pytest.raises(ZayaError):
         try:
             logger.log(_row(1, 3.0))
@@ -187,28 +196,28 @@ def test_a_run_that_raises_is_marked_failed(tmp_path, offline):
 
 
 def test_no_sink_without_logging_wandb_or_in_disabled_mode(tmp_path, offline, monkeypatch):
-    assert open_wandb(tmp_path, RunConfig(), 0) is None
+    assert _open(tmp_path, RunConfig(), 0) is None
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    assert open_wandb(tmp_path, _config(), 0) is None
+    assert _open(tmp_path, _config(), 0) is None
     assert not (tmp_path / "wandb").exists()
 
 
 def test_without_the_wandb_package_the_error_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
-    for call in (lambda: open_wandb(tmp_path, _config(), 0), lambda: check_wandb(_config())):
+    for call in (lambda: _open(tmp_path, _config(), 0), lambda: check_wandb(_config().logging)):
         with pytest.raises(ZayaError) as error:
             call()
         message = str(error.value)
         assert "\n" not in message and "pip install 'zaya-stack[wandb]'" in message
         assert "logging.wandb = false" in message
-    check_wandb(RunConfig())  # not asked for: nothing to check
+    check_wandb(RunConfig().logging)  # not asked for: nothing to check
 
 
 def test_a_failing_wandb_init_is_one_line(tmp_path, offline, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     with pytest.raises(ZayaError, match=r"W&B could not start run \w+ of project 'zaya' \(online\): .*wandb login"):
-        open_wandb(tmp_path, _config(), 0)
+        _open(tmp_path, _config(), 0)
 
 
 # ---- the progress bar of a time budget ----------------------------------------------------------------------
@@ -249,14 +258,14 @@ def _train(config: Path, run_dir: Path, env: dict):
 
 
 def test_a_training_run_logs_to_wandb_and_a_resumed_one_continues_it(dataset, tmp_path, offline):
-    from zaya.train.trainer import Trainer
+    from zaya.training import build_trainer
 
     config_path = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 6},
                                logging={"wandb": True, "wandb_mode": "offline", "wandb_name": "tiny-test"})
     run_dir = tmp_path / "run"
     crashed = _train(config_path, run_dir, {"ZAYA_FAULTS": "sigkill@step:5"})  # after the checkpoint of step 3
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
-    Trainer(load_config(config_path), run_dir).run()
+    build_trainer(load_config(config_path), run_dir).run()
 
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]

@@ -6,6 +6,9 @@
     tokenize pieces in worker processes   # results come back in piece order: the output is deterministic
     DatasetWriter -> manifest             # inside a staging directory renamed into place at the end
 
+The pieces are shared out to the workers as units of work (`build_units.py`); what a worker does with
+one is in `build_worker.py`.
+
 Which split a document goes to depends only on its text (a hash compared with the validation fraction), so
 the split is the same whatever the number of workers, the file order within a run, or the output directory.
 The output does not depend on how the work is cut into pieces either: every document is tokenized on its own
@@ -16,11 +19,11 @@ saved `datasets` directory. (How many files there were is recorded in build.json
 
 Memory is bounded by the number of workers W and the tokenizer sample, not by the size of the corpus:
 
-- each worker holds at most `_BUFFER_BYTES` (2 MB) of documents' text, or one document if it is longer, and
-  encodes them in calls of about `_ENCODE_CHARS` (256 Ki characters; a document is cut into parts of at most
-  512 Ki), for which the `tokenizers` encoder needs tens of bytes per character; the tokens go to the job's
-  files in the staging directory (`spill.py`). About 50 MB per worker above the interpreter's baseline
-  (measured with an 8192-entry BPE on Python source: 40-46 MB);
+- each worker (`build_worker.py`) holds at most `_BUFFER_BYTES` (2 MB) of documents' text, or one document
+  if it is longer, and encodes them in calls of about `_ENCODE_CHARS` (256 Ki characters; a document is cut
+  into parts of at most 512 Ki), for which the `tokenizers` encoder needs tens of bytes per character; the
+  tokens go to the job's files in the staging directory (`spill.py`). About 50 MB per worker above the
+  interpreter's baseline (measured with an 8192-entry BPE on Python source: 40-46 MB);
 - the main process reads records one by one to train the tokenizer, and later copies one chunk of tokens at a
   time (a worker's 2 MB batch: 1-2 MB of tokens) from those files into the dataset; a compressed file is
   decompressed about 1 MB at a time;
@@ -37,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import math
 import multiprocessing
@@ -49,21 +51,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from zaya.data.corpus import InputFile, Piece, ReadOptions, Selection, discover, location, split_file, stream_piece
-from zaya.data.shards import (
-    BUILD_FILE,
-    DEFAULT_SHARD_TOKENS,
-    SPLITS,
-    DatasetWriter,
-    fingerprint_of,
-    staged_directory,
-    token_dtype,
-)
-from zaya.data.spill import SpilledTokens, SpillWriter
+from zaya.data.build_units import group_units, piece_work, plan_pieces, run_order, target_bytes
+from zaya.data.build_worker import MAX_REPORTED_PROBLEMS, Job, JobResult, encode_job, is_val
+from zaya.data.corpus import InputFile, Piece, ReadOptions, Selection, discover, location, stream_piece
+from zaya.data.dataset_writer import DatasetWriter, staged_directory
+from zaya.data.shards import BUILD_FILE, DEFAULT_SHARD_TOKENS, SPLITS, fingerprint_of, token_dtype
 from zaya.data.tokenizer import (
     DEFAULT_VOCAB_SIZE,
     EOS_TOKEN,
@@ -77,18 +72,7 @@ from zaya.errors import ZayaError
 
 DEFAULT_VAL_FRACTION = 0.01
 DEFAULT_TOKENIZER_SAMPLE_BYTES = 1 << 30
-MAX_REPORTED_PROBLEMS = 100
-# Long documents are tokenized in parts: the encoder needs tens of bytes per character of what it is given.
-_PART_CHARS = 1 << 18
-_MIN_PIECE_BYTES = 1 << 18
-_MAX_PIECE_BYTES = 1 << 23
-# a worker tokenizes this much text at a time, in encode calls of _ENCODE_CHARS characters: the encoder's
-# per-token objects cost it tens of bytes per character, so larger calls only cost memory
-_BUFFER_BYTES = 1 << 21
-_ENCODE_CHARS = 1 << 18
 _SPILL_DIR = ".tokens"
-# text compresses about 4:1: a compressed file counts for four times its size when work is shared out
-_COMPRESSION_RATIO = 4
 _TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
 
 
@@ -145,7 +129,7 @@ def build_dataset(options: BuildOptions) -> BuildReport:
     workers = options.workers or default_workers()
     read = ReadOptions(options.text_field, options.doc_separator)
     files = discover(options.inputs, Selection(options.include, options.exclude), options.split)
-    pieces = _plan(files, read, workers)
+    pieces = plan_pieces(files, read, workers)
     with staged_directory(options.out, options.overwrite) as staging:
         tokenizer, tokenizer_json = _tokenizer(options, files, pieces, read)
         info = describe(tokenizer, tokenizer_json, str(options.tokenizer or "the trained tokenizer"),
@@ -193,44 +177,6 @@ def _check_options(options: BuildOptions) -> None:
             raise ZayaError(f"{flag} needs a pattern such as '*.py', got an empty one")
 
 
-def _target_bytes(total: int, workers: int) -> int:
-    """About total / (16 * workers) bytes of work per job, so every worker gets several and none waits long."""
-    return min(_MAX_PIECE_BYTES, max(_MIN_PIECE_BYTES, total // (16 * workers)))
-
-
-def _plan(files: Sequence[InputFile], read: ReadOptions, workers: int) -> list[Piece]:
-    target = _target_bytes(sum(f.size for f in files), workers)
-    return [piece for i, f in enumerate(files) for piece in split_file(f, i, read, target)]
-
-
-def _work(files: Sequence[InputFile], piece: Piece) -> int:
-    """A piece's share of the tokenizing, in bytes: its size on disk, or an estimate of its text if compressed."""
-    return piece.size * (_COMPRESSION_RATIO if files[piece.file].compression else 1)
-
-
-def _units(pieces: Sequence[Piece], work: Sequence[int], target: int) -> list[tuple[Piece, ...]]:
-    """Consecutive pieces grouped into units of about `target` bytes of work: small files share a unit, and a
-    piece of `target` bytes or more is a unit of its own."""
-    units: list[tuple[Piece, ...]] = []
-    current: list[Piece] = []
-    size = 0
-    for piece, amount in zip(pieces, work, strict=True):
-        if amount >= target:
-            if current:
-                units.append(tuple(current))
-                current, size = [], 0
-            units.append((piece,))
-            continue
-        current.append(piece)
-        size += amount
-        if size >= target:
-            units.append(tuple(current))
-            current, size = [], 0
-    if current:
-        units.append(tuple(current))
-    return units
-
-
 # ---- the tokenizer ------------------------------------------------------------------------------------
 
 
@@ -269,7 +215,7 @@ def _training_texts(options: BuildOptions, files: Sequence[InputFile], pieces: S
                         raise ZayaError(f"{where}: {record.problem}")
                     continue
                 data = record.text.encode("utf-8")
-                if not _is_val(data, options.val_fraction):
+                if not is_val(data, options.val_fraction):
                     used[piece.file] += len(data)
                     yield record.text
                 if used[piece.file] > budget[piece.file]:
@@ -279,41 +225,7 @@ def _training_texts(options: BuildOptions, files: Sequence[InputFile], pieces: S
         records_before[piece.file] += stream.count
 
 
-def _is_val(data: bytes, fraction: float) -> bool:
-    """Whether a document is held out: a hash of its text against the fraction, stable across builds."""
-    digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-    return digest < fraction * 2.0**64
-
-
 # ---- tokenizing in worker processes -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Job:
-    """One unit of work for a worker process: a few pieces, and all it needs to tokenize them."""
-
-    tokenizer_json: bytes
-    eos_id: int
-    dtype: str
-    val_fraction: float
-    strict: bool
-    read: ReadOptions
-    files: tuple[InputFile, ...]  # the input file of each piece
-    pieces: tuple[Piece, ...]
-    spill: str  # where the job's tokens go: a path prefix in the staging directory
-
-
-@dataclass
-class _Result:
-    tokens: SpilledTokens
-    counts: list[int] = field(default_factory=list)  # record positions spanned by each piece
-    # the first MAX_REPORTED_PROBLEMS of each, as (piece, record within the piece[, what is wrong])
-    problems: list[tuple[int, int, str]] = field(default_factory=list)
-    invalid_utf8: list[tuple[int, int]] = field(default_factory=list)
-    bad_records: int = 0
-    invalid_utf8_documents: int = 0
-    text_bytes: int = 0
-    fatal: bool = False
 
 
 @dataclass
@@ -340,22 +252,22 @@ class _Tally:
 def _tokenize(options: BuildOptions, files: Sequence[InputFile], pieces: Sequence[Piece], read: ReadOptions,
               tokenizer_json: bytes, eos_id: int, writer: DatasetWriter, workers: int, spill: Path) -> _Tally:
     total = sum(p.size for p in pieces)
-    work = [_work(files, p) for p in pieces]
-    units = _units(pieces, work, _target_bytes(sum(work), workers))
+    work = [piece_work(files, p) for p in pieces]
+    units = group_units(pieces, work, target_bytes(sum(work), workers))
     jobs = [
-        _Job(tokenizer_json, eos_id, writer.dtype, options.val_fraction, options.strict, read,
-             tuple(files[p.file] for p in unit), unit, str(spill / f"{i:07d}"))
+        Job(tokenizer_json, eos_id, writer.dtype, options.val_fraction, options.strict, read,
+            tuple(files[p.file] for p in unit), unit, str(spill / f"{i:07d}"))
         for i, unit in enumerate(units)
     ]
-    run = _run_order([sum(_work(files, p) for p in unit) for unit in units], workers)
+    run = run_order([sum(piece_work(files, p) for p in unit) for unit in units], workers)
     tally = _Tally()
     records_before = [0] * len(files)
-    finished: dict[int, _Result] = {}
+    finished: dict[int, JobResult] = {}
     written = 0
     with _mapper(min(workers, len(jobs))) as mapper, tqdm(
         total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not options.progress
     ) as bar:
-        for index, result in zip(run, mapper(_encode_job, [jobs[i] for i in run]), strict=True):
+        for index, result in zip(run, mapper(encode_job, [jobs[i] for i in run]), strict=True):
             finished[index] = result  # only sizes and counts: the tokens wait on disk
             bar.update(sum(p.size for p in units[index]))
             while written in finished:  # results are written in input order, whatever order they ran in
@@ -368,17 +280,7 @@ def _tokenize(options: BuildOptions, files: Sequence[InputFile], pieces: Sequenc
     return tally
 
 
-def _run_order(sizes: Sequence[int], workers: int) -> list[int]:
-    """The order to run units in: the largest first within each run of 4 * workers units, so that no worker
-    is left alone with a big one at the end. Results wait for their turn to be written, at most one run's."""
-    window = 4 * workers
-    order: list[int] = []
-    for start in range(0, len(sizes), window):
-        order.extend(sorted(range(start, min(start + window, len(sizes))), key=lambda i: (-sizes[i], i)))
-    return order
-
-
-def _collect(job: _Job, result: _Result, tally: _Tally, records_before: list[int], read: ReadOptions,
+def _collect(job: Job, result: JobResult, tally: _Tally, records_before: list[int], read: ReadOptions,
              writer: DatasetWriter) -> None:
     """Write one unit's tokens and account for its records; `records_before` numbers records per file."""
     for i, index, problem in result.problems:
@@ -422,117 +324,6 @@ def _mapper(workers: int) -> Iterator[Callable[[Callable, Iterable], Iterator]]:
             os.environ[_TOKENIZERS_PARALLELISM] = previous
     with pool:
         yield functools.partial(pool.imap, chunksize=1)
-
-
-@functools.lru_cache(maxsize=1)
-def _worker_tokenizer(tokenizer_json: bytes) -> Tokenizer:
-    # every job carries the tokenizer; a worker parses it once and reuses it for the jobs that follow
-    return Tokenizer.from_str(tokenizer_json.decode("utf-8"))
-
-
-def _encode_job(job: _Job) -> _Result:
-    """Read a job's pieces record by record, tokenize them a buffer at a time, and append the tokens to the
-    job's files; what returns to the main process is sizes, counts and the first few problems."""
-    spill = SpillWriter(job.spill, job.dtype)
-    result = _Result(spill.spilled)
-    buffer = _Buffer()
-    try:
-        for i, (file, piece) in enumerate(zip(job.files, job.pieces, strict=True)):
-            stream = stream_piece(file, piece, job.read)
-            for record in stream:
-                if record.text is None:
-                    result.bad_records += 1
-                    if len(result.problems) < MAX_REPORTED_PROBLEMS:
-                        result.problems.append((i, record.index, record.problem))
-                    if job.strict:
-                        result.fatal = True
-                        return result
-                    continue
-                if record.invalid_utf8:
-                    result.invalid_utf8_documents += 1
-                    if len(result.invalid_utf8) < MAX_REPORTED_PROBLEMS:
-                        result.invalid_utf8.append((i, record.index))
-                data = record.text.encode("utf-8")
-                result.text_bytes += len(data)
-                buffer.add("val" if _is_val(data, job.val_fraction) else "train", record.text, len(data))
-                if buffer.bytes >= _BUFFER_BYTES:
-                    buffer.flush(job, spill)
-            result.counts.append(stream.count)
-        buffer.flush(job, spill)
-    finally:
-        spill.close()
-    return result
-
-
-@dataclass
-class _Buffer:
-    """A worker's documents waiting to be tokenized, per split."""
-
-    texts: dict[str, list[str]] = field(default_factory=lambda: {split: [] for split in SPLITS})
-    bytes: int = 0
-
-    def add(self, split: str, text: str, size: int) -> None:
-        self.texts[split].append(text)
-        self.bytes += size
-
-    def flush(self, job: _Job, spill: SpillWriter) -> None:
-        """Tokenize what is buffered and append it to the job's files."""
-        tokenizer = _worker_tokenizer(job.tokenizer_json)
-        for split, documents in self.texts.items():
-            if documents:
-                spill.write(split, *_encode(tokenizer, documents, job.eos_id, job.dtype))
-            documents.clear()
-        self.bytes = 0
-
-
-def _encode(tokenizer: Tokenizer, documents: list[str], eos_id: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Documents to one token array (each followed by `eos_id`) and the documents' lengths.
-
-    The encoder is called on about `_ENCODE_CHARS` of text at a time and its results become arrays at once:
-    its per-token objects, and Python's per-id integers, would otherwise outweigh the text many times."""
-    parts, owners = [], []
-    for d, text in enumerate(documents):
-        for part in _parts(text):
-            parts.append(part)
-            owners.append(d)
-    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets: faster, same ids
-    eos = np.array([eos_id], dtype=np.uint32)
-    arrays: list[np.ndarray] = []
-    lengths = np.zeros(len(documents), dtype=np.int64)
-    start = 0
-    while start < len(parts):
-        stop, chars = start, 0
-        while stop < len(parts) and (stop == start or chars + len(parts[stop]) <= _ENCODE_CHARS):
-            chars += len(parts[stop])
-            stop += 1
-        for p, encoding in enumerate(encode(parts[start:stop], add_special_tokens=False), start=start):
-            ids = np.array(encoding.ids, dtype=np.uint32)
-            arrays.append(ids)
-            lengths[owners[p]] += len(ids)
-            if p + 1 == len(owners) or owners[p + 1] != owners[p]:
-                arrays.append(eos)
-                lengths[owners[p]] += 1
-        start = stop
-    tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.uint32)
-    return tokens.astype(dtype), lengths
-
-
-def _parts(text: str) -> Iterator[str]:
-    """A document in parts of `_PART_CHARS` to twice that many characters (one part if shorter), cut after a
-    newline, else after a space, else anywhere: always at the same places, and never longer than the bound."""
-    start = 0
-    while len(text) - start > _PART_CHARS:
-        limit = min(len(text), start + 2 * _PART_CHARS)
-        cut = text.find("\n", start + _PART_CHARS, limit)
-        if cut < 0:
-            cut = text.find(" ", start + _PART_CHARS, limit)
-        if cut < 0:
-            cut = limit - 1  # no line or word ends within reach (minified code, say): cut mid-word
-        if cut + 1 >= len(text):
-            break
-        yield text[start:cut + 1]
-        start = cut + 1
-    yield text[start:]
 
 
 def _write_build_info(path: Path, options: BuildOptions, workers: int, report: BuildReport) -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 import click
 
 from zaya.data.build import DEFAULT_TOKENIZER_SAMPLE_BYTES, DEFAULT_VAL_FRACTION, BuildOptions, build_dataset
-from zaya.data.shards import BUILD_FILE, DEFAULT_SHARD_TOKENS, Dataset, open_dataset
+from zaya.data.dataset_reader import Dataset, open_dataset
+from zaya.data.shards import BUILD_FILE, DEFAULT_SHARD_TOKENS
 from zaya.data.tokenizer import DEFAULT_VOCAB_SIZE, EOS_TOKEN
 from zaya.errors import ZayaError
 

@@ -33,15 +33,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zaya.data.config import DEFAULT_BLOCK_SIZE, DEFAULT_GROUP_BLOCKS
+from zaya.data.dataset_reader import Dataset, open_dataset
 from zaya.data.order import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_GROUP_BLOCKS,
     GlobalOrder,
     OrderSource,
     SkipRanges,
     normalize_skip_ranges,
 )
-from zaya.data.shards import Dataset, SplitTokens, open_dataset
+from zaya.data.split_tokens import SplitTokens
 from zaya.errors import ZayaError
 
 STATE_VERSION = 1

@@ -43,10 +43,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from zaya.data.config import DEFAULT_BLOCK_SIZE, DEFAULT_GROUP_BLOCKS
 from zaya.errors import ZayaError
 
-DEFAULT_BLOCK_SIZE = 64
-DEFAULT_GROUP_BLOCKS = 32
 WEIGHT_RESOLUTION = 1 << 16
 _BLOCKS_TAG = 1
 _GROUP_TAG = 2

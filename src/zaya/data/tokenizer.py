@@ -21,8 +21,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from zaya.errors import ZayaError
-from zaya.infer.tokenizer import load_tokenizer
 
+TOKENIZER_FILE = "tokenizer.json"  # in a dataset, a checkpoint and an HF directory alike
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
 DEFAULT_VOCAB_SIZE = 8192
 EOS_TOKEN = "<eos>"
@@ -43,6 +43,23 @@ class TokenizerInfo:
     def to_dict(self) -> dict:
         return {"vocab_size": self.vocab_size, "eos_id": self.eos_id, "special_ids": dict(self.special_ids),
                 "sha256": self.sha256}
+
+
+def find_tokenizer(directory: Path) -> Path | None:
+    """The tokenizer.json inside `directory` (a model, checkpoint or dataset directory), if there is one."""
+    candidate = Path(directory) / TOKENIZER_FILE
+    return candidate if candidate.is_file() else None
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """Load a tokenizer.json, turning a missing or corrupt file into one clear error."""
+    path = Path(path)
+    if not path.is_file():
+        raise ZayaError(f"{path}: file not found")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a plain Exception subclass for bad files
+        raise ZayaError(f"{path}: not a valid tokenizer.json ({str(exc).splitlines()[0]})") from None
 
 
 def check_vocab_size(vocab_size: int) -> None:

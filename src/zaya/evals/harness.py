@@ -28,11 +28,12 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
-from zaya.api import load_model, resolve_model_dir
+from zaya.data.tokenizer import find_tokenizer, load_tokenizer
+from zaya.device import device_present
 from zaya.errors import ZayaError
 from zaya.infer.generate import Sampling, check_prompt, next_token
 from zaya.infer.hf_files import SpecialTokens, special_tokens_of
-from zaya.infer.tokenizer import find_tokenizer, load_tokenizer
+from zaya.infer.loading import load_model, resolve_model_dir
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 8
@@ -283,8 +284,8 @@ def _sampling(kwargs: dict) -> Sampling:
 def _available(device: str | None) -> str | None:
     """`device`, or None (the default device) for an accelerator this machine lacks: lm_eval's command line
     asks for cuda:0 unless told otherwise."""
-    if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
-        log.warning("no CUDA device here; the zaya model runs on the default device instead of %s", device)
+    if device is not None and not device_present(device):
+        log.warning("no %s here; the zaya model runs on the default device instead", device)
         return None
     return device
 

@@ -19,12 +19,12 @@ import os
 import time
 from pathlib import Path
 
-from zaya.api import model_dir_kind, resolve_model_dir
+from zaya import checkpoint
 from zaya.errors import ZayaError
-from zaya.train import checkpoint
+from zaya.infer.loading import model_dir_kind, resolve_model_dir
+from zaya.run_dir import CHECKPOINTS_DIR, EVALS_DIR, EVALS_FILE
 
-EVALS_FILE = "evals.jsonl"
-RESULTS_DIR = "evals"
+RESULTS_DIR = EVALS_DIR
 
 
 def run_dir_of(model_path: str | Path) -> Path | None:
@@ -33,8 +33,8 @@ def run_dir_of(model_path: str | Path) -> Path | None:
     path = Path(model_path)
     kind = model_dir_kind(path)
     if kind == "run":
-        return path.parent if path.name == "checkpoints" else path
-    if kind == "checkpoint" and path.resolve().parent.name == "checkpoints":
+        return path.parent if path.name == CHECKPOINTS_DIR else path
+    if kind == "checkpoint" and path.resolve().parent.name == CHECKPOINTS_DIR:
         return path.resolve().parent.parent
     return None
 
@@ -44,7 +44,7 @@ def checkpoint_step(model_path: str | Path) -> int | None:
     directory, kind = resolve_model_dir(model_path)
     if kind != "checkpoint":
         return None
-    step = checkpoint.read_json(directory / checkpoint.CONFIG_FILE).get("step")
+    step = checkpoint.read_json(directory / checkpoint.INFO_FILE).get("step")
     if isinstance(step, int) and not isinstance(step, bool):
         return step
     match = checkpoint.STEP_DIR.fullmatch(directory.name)

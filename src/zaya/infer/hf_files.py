@@ -25,10 +25,10 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from zaya.checkpoint.files import TRAIN_STATE_FILE, read_json
+from zaya.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 from zaya.errors import ZayaError
-from zaya.infer.tokenizer import TOKENIZER_FILE, load_tokenizer
 from zaya.model.config import ZayaConfig
-from zaya.train.checkpoint_files import read_json
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_FILE = "special_tokens_map.json"
@@ -124,8 +124,6 @@ def special_tokens_of(model_dir: Path, tokenizer: Tokenizer, config: ZayaConfig)
 def training_hints(checkpoint_dir: Path) -> TrainingHints:
     """Sequence length and end-of-document id from a training checkpoint's train_state.json (empty hints for
     any other directory, or when the run's config does not say)."""
-    from zaya.train.checkpoint import TRAIN_STATE_FILE
-
     directory = Path(checkpoint_dir)
     state_path = directory / TRAIN_STATE_FILE
     if not state_path.is_file():

@@ -6,6 +6,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
 
@@ -60,3 +64,24 @@ def get_preset(name: str, **overrides) -> ZayaConfig:
     if name not in PRESETS:
         raise ZayaError(f"unknown model preset '{name}' (known: {', '.join(PRESETS)})")
     return ZayaConfig(**{**PRESETS[name], **overrides})
+
+
+@dataclass
+class ModelSection:
+    """`[model]` of a run config: a preset, and any model field to override."""
+
+    preset: str = "tiny"  # the model's shape: a name in zaya.model.presets.PRESETS
+    # Any ZayaConfig field, replacing the preset's value (e.g. temp_init, fp32_logits, rope_theta).
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, source: str) -> ZayaConfig:
+        if self.preset not in PRESETS:
+            raise ZayaError(f"{source}: model.preset '{self.preset}' does not exist (known: {', '.join(PRESETS)})")
+        known = {f.name for f in dataclasses.fields(ZayaConfig)}
+        for key in self.overrides:
+            if key not in known:
+                raise ZayaError(f"{source}: unknown key 'model.{key}'")
+        try:
+            return get_preset(self.preset, **self.overrides)
+        except ZayaError as exc:
+            raise ZayaError(f"{source}: {exc}") from None

@@ -19,6 +19,7 @@ from torch import nn
 
 from zaya.model.attention import AttentionCache, CompressedConvAttention, DecodeCache, SequenceShard
 from zaya.model.config import ZayaConfig
+from zaya.model.groups import ParameterGroup, parameter_groups
 from zaya.model.layers import EmbeddingScaling, ResidualScaling, RMSNorm, RotaryEmbedding
 from zaya.model.loss import linear_cross_entropy
 from zaya.model.moe import Experts, ZayaMoE
@@ -148,6 +149,10 @@ class Zaya(nn.Module):
                 if module.router_states_scale is not None:
                     nn.init.ones_(module.router_states_scale)
                 module.balancing_biases.copy_(initial_balancing_biases(module.num_experts))
+
+    def parameter_groups(self) -> list[ParameterGroup]:
+        """The parameters in the groups an optimizer treats alike (`zaya.model.groups`)."""
+        return parameter_groups(self, ZayaBlock)
 
     def new_cache(self) -> DecodeCache:
         """An empty decode cache for `forward(..., cache=...)`."""

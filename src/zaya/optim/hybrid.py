@@ -1,9 +1,10 @@
 """Muon for the model's matrices, AdamW for everything else, as one optimizer.
 
-The split, by module type and attribute (never by a parameter's qualified name):
+The split follows the groups the model declares (`zaya.model.groups`), by their role:
 
-    Muon    every nn.Linear weight inside a block: attention q/k/v_cur/v_del/o projections and the router's
-            down/fc1/fc2/out matrices; both stacked expert tensors (each of the E matrices on its own)
+    Muon    the hidden matrices: every nn.Linear weight inside a block (attention q/k/v_cur/v_del/o projections
+            and the router's down/fc1/fc2/out matrices) and both stacked expert tensors (each of the E
+            matrices on its own)
     AdamW   the tied embedding (also the LM head) and the convolution weights, with weight decay;
             norms, biases, residual scales and biases, the embedding affine, EDA gammas and key
             temperatures, without weight decay unless `decay_vectors` is set
@@ -15,10 +16,8 @@ rate and one schedule: each param group keeps its configured rate as `initial_lr
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,107 +27,13 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam
 
 from zaya.errors import ZayaError
-from zaya.model.attention import CompressedConvAttention
-from zaya.model.layers import EmbeddingScaling, ResidualScaling, RMSNorm
-from zaya.model.moe import Experts
-from zaya.model.router import ZayaRouter
-from zaya.model.transformer import ZayaBlock
-from zaya.optim.muon import ADJUST_LR_FNS, dtype_name, muon_defaults, muon_step, run_closure, validate_muon_group
-from zaya.optim.ns_iteration import NS_BACKENDS, NS_COEFFICIENTS, NS_DTYPES, NS_EPS, NS_STEPS, Workspace
+from zaya.optim.config import OptimConfig, _number, _positive
+from zaya.optim.muon import dtype_name, muon_defaults, muon_step, run_closure, validate_muon_group
+from zaya.optim.ns_iteration import Workspace
 from zaya.parallel.comm import CommCounter
 from zaya.parallel.dtensor import local
 
 ALGORITHMS = ("muon", "adamw")
-
-
-@dataclass
-class OptimConfig:
-    """Hyperparameters of the Muon + AdamW optimizer; validated on construction."""
-
-    lr: float = 1e-3  # Muon's rate, and AdamW's unless adamw_lr is set
-    weight_decay: float = 0.1  # decoupled; on the matrices (Muon's, the embedding, the convolutions)
-    adamw_lr: float | None = None  # AdamW's rate; unset: lr
-    adamw_betas: tuple[float, float] = (0.9, 0.95)  # AdamW's (beta1, beta2)
-    adamw_eps: float = 1e-8  # AdamW's epsilon
-    decay_vectors: bool = False  # also decay norms, biases, scales, EDA gammas and temperatures
-    momentum: float = 0.95  # Muon's
-    nesterov: bool = True  # Nesterov momentum in Muon
-    ns_steps: int = NS_STEPS  # Newton-Schulz iterations per Muon update
-    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS  # (a, b, c) of the quintic Newton-Schulz iteration
-    ns_eps: float = NS_EPS  # the iteration starts from U / max(||U||_F, ns_eps)
-    ns_dtype: str = "bfloat16"  # precision of the Newton-Schulz iteration: "bfloat16" or "float32"
-    ns_backend: str = "auto"  # "eager", "compiled" or "auto" (compiled on GPUs, eager on the CPU)
-    adjust_lr_fn: str = "match_rms_adamw"  # or "original": sqrt(max(1, rows / cols))
-
-    def __post_init__(self) -> None:
-        self._tuples_from_lists()
-        self.validate()
-
-    def _tuples_from_lists(self) -> None:
-        # a JSON or YAML config gives lists where the fields hold tuples
-        for name in ("adamw_betas", "ns_coefficients"):
-            if isinstance(getattr(self, name), list):
-                setattr(self, name, tuple(getattr(self, name)))
-
-    @property
-    def adamw_rate(self) -> float:
-        return self.lr if self.adamw_lr is None else self.adamw_lr
-
-    def validate(self, source: str = "optimizer config") -> None:
-        """Raise `ZayaError` naming the first field that cannot configure the optimizer."""
-        for name in ("lr", "adamw_eps", "ns_eps"):
-            if not _positive(getattr(self, name)):
-                raise ZayaError(f"{source}: field '{name}' must be a positive number, got {getattr(self, name)!r}")
-        if self.adamw_lr is not None and not _positive(self.adamw_lr):
-            raise ZayaError(f"{source}: field 'adamw_lr' must be a positive number or null, got {self.adamw_lr!r}")
-        if not _number(self.weight_decay) or self.weight_decay < 0:
-            raise ZayaError(f"{source}: field 'weight_decay' must be a non-negative number, got {self.weight_decay!r}")
-        betas = self.adamw_betas
-        if not isinstance(betas, tuple) or len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
-            raise ZayaError(f"{source}: field 'adamw_betas' must be two numbers in [0, 1), got {betas!r}")
-        if not _number(self.momentum) or not 0 <= self.momentum < 1:
-            raise ZayaError(f"{source}: field 'momentum' must be in [0, 1), got {self.momentum!r}")
-        for name in ("nesterov", "decay_vectors"):
-            if not isinstance(getattr(self, name), bool):
-                raise ZayaError(f"{source}: field '{name}' must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.ns_steps, int) or isinstance(self.ns_steps, bool) or not 1 <= self.ns_steps < 100:
-            raise ZayaError(f"{source}: field 'ns_steps' must be an integer in 1..99, got {self.ns_steps!r}")
-        coefficients = self.ns_coefficients
-        if not isinstance(coefficients, tuple) or len(coefficients) != 3 or not all(map(_number, coefficients)):
-            raise ZayaError(f"{source}: field 'ns_coefficients' must be three numbers (a, b, c), got {coefficients!r}")
-        choices = {"ns_dtype": tuple(NS_DTYPES), "ns_backend": NS_BACKENDS, "adjust_lr_fn": ADJUST_LR_FNS}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ZayaError(
-                    f"{source}: field '{name}' must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
-                )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "optimizer config") -> OptimConfig:
-        """Build from a dict (a config file's section), refusing unknown fields with a message naming `source`."""
-        if not isinstance(data, dict):
-            raise ZayaError(f"{source}: expected an object, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ZayaError(f"{source}: unknown field '{unknown[0]}'")
-        config = cls.__new__(cls)
-        for f in dataclasses.fields(cls):
-            setattr(config, f.name, data.get(f.name, f.default))
-        config._tuples_from_lists()
-        config.validate(source)
-        return config
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _positive(value: Any) -> bool:
-    return _number(value) and value > 0
 
 
 # ---- the split --------------------------------------------------------------------------------------
@@ -154,83 +59,26 @@ class ParamGroupSpec:
         return sum(p.shape[0] if p.ndim == 3 else 1 for p in self.params)
 
 
-# Group name, algorithm and whether weight decay is a matrix's (always on) or a vector's (configurable).
-_GROUPS = {
-    "muon/attention": ("muon", True),
-    "muon/router": ("muon", True),
-    "muon/experts": ("muon", True),
-    "muon/block-matrices": ("muon", True),
-    "adamw/embedding": ("adamw", True),
-    "adamw/convolutions": ("adamw", True),
-    "adamw/norms": ("adamw", False),
-    "adamw/biases": ("adamw", False),
-    "adamw/residual-scaling": ("adamw", False),
-    "adamw/eda-gammas": ("adamw", False),
-    "adamw/temperatures": ("adamw", False),
-    "adamw/other": ("adamw", False),
-}
-
-_ATTENTION_ATTRIBUTES = {
-    "conv0_weight": "adamw/convolutions",
-    "conv1_weight": "adamw/convolutions",
-    "conv0_bias": "adamw/biases",
-    "conv1_bias": "adamw/biases",
-    "temp": "adamw/temperatures",
-}
-
-
-def _group_of(module: nn.Module, attribute: str, context: str | None) -> str:
-    """The group of `module.<attribute>`; `context` is the nearest enclosing block, attention or router."""
-    if isinstance(module, Experts):
-        return "muon/experts"
-    if isinstance(module, nn.Linear):
-        if attribute == "bias":
-            return "adamw/biases"
-        if context is None:  # a matrix outside the blocks
-            return "adamw/other"
-        return {"attention": "muon/attention", "router": "muon/router"}.get(context, "muon/block-matrices")
-    if isinstance(module, nn.Embedding):
-        return "adamw/embedding"
-    if isinstance(module, RMSNorm):
-        return "adamw/norms"
-    if isinstance(module, (ResidualScaling, EmbeddingScaling)):
-        return "adamw/residual-scaling"
-    if isinstance(module, ZayaRouter) and attribute == "router_states_scale":
-        return "adamw/eda-gammas"
-    if isinstance(module, CompressedConvAttention) and attribute in _ATTENTION_ATTRIBUTES:
-        return _ATTENTION_ATTRIBUTES[attribute]
-    return "adamw/other"
-
-
-def _walk(module: nn.Module, prefix: str = "", context: str | None = None) -> Iterator[tuple[str, str, Tensor]]:
-    """(qualified name, group, parameter) for every parameter registered under `module`."""
-    for attribute, param in module.named_parameters(recurse=False):
-        yield prefix + attribute, _group_of(module, attribute, context), param
-    for child_name, child in module.named_children():
-        child_context = context
-        if isinstance(child, CompressedConvAttention):
-            child_context = "attention"
-        elif isinstance(child, ZayaRouter):
-            child_context = "router"
-        elif isinstance(child, ZayaBlock):
-            child_context = "block"
-        yield from _walk(child, f"{prefix}{child_name}.", child_context)
+# Each role the model gives its groups (`zaya.model.groups`): the algorithm, and whether weight decay applies
+# always (matrices, the embedding, convolutions) or only with `decay_vectors`.
+ROLE_ALGORITHMS = {"matrix": ("muon", True), "weight": ("adamw", True), "vector": ("adamw", False)}
 
 
 def split_parameters(model: nn.Module, decay_vectors: bool = False) -> list[ParamGroupSpec]:
-    """The model's parameters split into the named groups above (empty groups left out), each parameter
-    once (a tied weight under its first name), in model order within a group."""
-    specs = {name: ParamGroupSpec(name, algorithm, decay) for name, (algorithm, decay) in _GROUPS.items()}
-    seen: set[int] = set()
-    for name, group, param in _walk(model):
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        specs[group].names.append(name)
-        specs[group].params.append(param)
-    for spec in specs.values():
-        spec.decay = spec.decay or decay_vectors
-    return [spec for spec in specs.values() if spec.params]
+    """The param groups of the parameter groups `model` declares (`parameter_groups()`, as `zaya.model` does),
+    in their order, each named after its algorithm and group ("muon/attention", "adamw/norms", ...). A module
+    that declares none is one group, "adamw/other"."""
+    declare = getattr(model, "parameter_groups", None)
+    if declare is None:  # named_parameters gives a tied parameter once, under its first name
+        named = list(model.named_parameters())
+        return [ParamGroupSpec("adamw/other", "adamw", decay_vectors, [name for name, _ in named],
+                               [param for _, param in named])] if named else []
+    specs = []
+    for group in declare():
+        algorithm, decay = ROLE_ALGORITHMS[group.role]
+        specs.append(ParamGroupSpec(f"{algorithm}/{group.name}", algorithm, decay or decay_vectors,
+                                    list(group.names), list(group.params)))
+    return specs
 
 
 # ---- the optimizer ----------------------------------------------------------------------------------
@@ -253,7 +101,7 @@ class MuonAdamW(Optimizer):
     `muon_defaults` / `adamw_defaults`. Every group also keeps `initial_lr`, its configured rate.
 
     Parameters may be FSDP2 `DTensor`s: AdamW and Muon's momentum run on the local shards, and Muon's split
-    matrices go to their owner ranks (`zaya.parallel.muon`), whose traffic `comm` counts. After each step
+    matrices go to their owner ranks (`zaya.optim.distributed`), whose traffic `comm` counts. After each step
     `last_muon_report` says what this rank orthogonalised.
     """
 

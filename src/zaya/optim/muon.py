@@ -14,7 +14,7 @@ For a matrix parameter W [m, n] with gradient g, step t (the semantics of `torch
 The orthogonalisation itself, batched over every matrix of one shape, is `zaya.optim.ns_iteration`.
 Parameters may be `DTensor`s (FSDP2 shards): the momentum runs on each rank's shard; a shard that holds whole
 matrices (a stack of experts split along the expert dimension, or any parameter on one rank) is
-orthogonalised where it lies, and every other matrix by one owner rank (`zaya.parallel.muon`).
+orthogonalised where it lies, and every other matrix by one owner rank (`zaya.optim.distributed`).
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from zaya.errors import ZayaError
+from zaya.optim.config import ADJUST_LR_FNS, NS_COEFFICIENTS, NS_EPS, NS_STEPS
+from zaya.optim.distributed import MatrixLayout, MuonReport, SplitMatrices, owner_step
 from zaya.optim.ns_iteration import (
-    NS_COEFFICIENTS,
     NS_DTYPES,
-    NS_EPS,
-    NS_STEPS,
     Batch,
     Workspace,
     as_stack,
@@ -45,11 +44,9 @@ from zaya.optim.ns_iteration import (
 )
 from zaya.parallel.dtensor import is_dtensor, local, shard_layout
 
-if TYPE_CHECKING:  # zaya.parallel.muon imports this package's Newton-Schulz: imported where used
+if TYPE_CHECKING:
     from zaya.parallel.comm import CommCounter
-    from zaya.parallel.muon import MuonReport
 
-ADJUST_LR_FNS = ("original", "match_rms_adamw")
 
 
 def muon_update(
@@ -248,8 +245,7 @@ def muon_step(
     together, whichever group they belong to. An optimizer passes the same `workspace` at every step.
 
     DTensor parameters step on their local shards; matrices their shards split go to owner ranks
-    (`zaya.parallel.muon`), whose collectives `counter` counts. Returns what this rank orthogonalised."""
-    from zaya.parallel.muon import MatrixLayout, MuonReport, SplitMatrices, owner_step
+    (`zaya.optim.distributed`), whose collectives `counter` counts. Returns what this rank orthogonalised."""
 
     report = MuonReport()
     batches: dict[tuple, Batch] = {}

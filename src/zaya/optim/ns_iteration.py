@@ -27,7 +27,7 @@ output by ~1.6% against a float64 iteration instead of ~1.1%. Iterating on the G
 (X_t = Q_t X_0) saves 16% of the FLOPs for 1:2 matrices but drifts by 10-25% in bf16, so it is not used.
 
 Everything here works on full local matrices: `zaya.optim.muon` feeds it the momentum directions of the
-parameters, and under sharding `zaya.parallel.muon` feeds it the matrices a rank owns, gathered from their
+parameters, and under sharding `zaya.optim.distributed` feeds it the matrices a rank owns, gathered from their
 shards.
 """
 
@@ -42,14 +42,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from zaya.device import batched_matmul_multiple, newton_schulz_blocks_from
+from zaya.device import batched_matmul_multiple, compiles_newton_schulz, newton_schulz_blocks_from
 from zaya.errors import ZayaError
+from zaya.optim.config import NS_BACKENDS, NS_COEFFICIENTS, NS_DTYPE_NAMES, NS_EPS, NS_STEPS
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
-NS_EPS = 1e-7
-NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-NS_BACKENDS = ("auto", "eager", "compiled")
+NS_DTYPES = {name: getattr(torch, name) for name in NS_DTYPE_NAMES}
 
 # A batch streams through the iteration in chunks: each chunk of matrices is written (momentum, direction,
 # normalisation), iterated and consumed (weight decay, update) before the next, so the scratch memory is one
@@ -131,7 +128,7 @@ def normalize_into(G_BMN: Tensor, out_BMN: Tensor, eps: float, *, overwrite: boo
 
 
 def _compiled(backend: str, device: torch.device) -> bool:
-    return backend == "compiled" or (backend == "auto" and device.type == "cuda")
+    return backend == "compiled" or (backend == "auto" and compiles_newton_schulz(device))
 
 
 def _chunk_size(rows: int, cols: int, total: int, dtype: torch.dtype, device: torch.device, compiled: bool) -> int:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
-
-from torch.optim import Optimizer
+from typing import TYPE_CHECKING, Any
 
 from zaya.errors import ZayaError
+
+if TYPE_CHECKING:  # the schedule itself is plain arithmetic: reading a config imports no torch
+    from torch.optim import Optimizer
 
 SCHEDULES = ("wsd", "cosine", "constant")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")

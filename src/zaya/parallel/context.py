@@ -25,8 +25,7 @@ from torch import Tensor
 
 from zaya.errors import ZayaError
 from zaya.parallel.comm import CommCounter, all_to_all_single
-
-SHARDINGS = ("headtail", "contiguous")
+from zaya.parallel.config import sequence_split_problem
 
 
 @dataclass(frozen=True)
@@ -46,18 +45,8 @@ class SequenceLayout:
         return self.length // self.num_chunks
 
     def check(self, min_chunk: int = 1) -> str | None:
-        """What is wrong with this layout (None if nothing): chunks must be whole and hold at least
-        `min_chunk` tokens (the convolutions' halo reaches back one chunk only)."""
-        if self.sharding not in SHARDINGS:
-            return f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}"
-        if self.length % self.num_chunks:
-            how = "2 x cp" if self.sharding == "headtail" else "cp"
-            return (f"a sequence of {self.length} tokens does not split into {how} = {self.num_chunks} "
-                    f"chunks of equal length")
-        if self.chunk_len < min_chunk:
-            return (f"chunks of {self.chunk_len} tokens ({self.length} over {self.num_chunks}) are shorter than "
-                    f"the {min_chunk} tokens the convolutions reach back")
-        return None
+        """What is wrong with this layout (None if nothing): `zaya.parallel.config.sequence_split_problem`."""
+        return sequence_split_problem(self.length, self.ranks, self.sharding, min_chunk)
 
     def chunks(self, rank: int) -> tuple[int, ...]:
         """The chunks rank `rank` holds, in the order its tokens are laid out."""

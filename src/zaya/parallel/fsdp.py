@@ -20,7 +20,7 @@ the residual stream stays fp32, and autocast still covers the activations.
 Placement: every parameter is split along its first dimension (`torch.chunk`'s rows), except a stack of
 experts [E, m, n] whose E does not divide evenly over the ranks while its rows m do: it is split along m, so
 that memory stays balanced (E = 16 on 32 ranks would leave half of them empty), and Muon then gives each of
-its matrices an owner (`zaya.parallel.muon`). Split along E, every shard holds whole experts and Muon needs
+its matrices an owner (`zaya.optim.distributed`). Split along E, every shard holds whole experts and Muon needs
 no communication for them.
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -40,11 +39,7 @@ from torch.distributed.tensor import Shard
 from zaya.errors import ZayaError
 from zaya.model.transformer import Zaya
 from zaya.parallel.comm import CommCounter, count_fsdp
-
-if TYPE_CHECKING:
-    from zaya.config import RunConfig
-
-ACTIVATION_CHECKPOINTING = ("none", "full", "moe")
+from zaya.parallel.config import ACTIVATION_CHECKPOINTING, ParallelizeConfig
 
 
 def shard_dim(shape: tuple[int, ...], ranks: int) -> int:
@@ -84,25 +79,24 @@ def unit_parameters(model: Zaya) -> list[tuple[Unit, list[nn.Parameter]]]:
     return result
 
 
-def parallelize(model: Zaya, mesh: DeviceMesh, config: RunConfig, counter: CommCounter | None = None) -> Zaya:
-    """Apply `config.train.activation_checkpointing`, `config.train.compile` and FSDP2 to `model`, in place;
+def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counter: CommCounter | None = None) -> Zaya:
+    """Apply `config`'s activation checkpointing, compilation and mixed precision and FSDP2 to `model`, in place;
     returns it. `mesh` is `ParallelContext.fsdp_mesh`: one dimension (the shards), or two (replicas, shards:
     HSDP). `counter` counts the bytes FSDP sends."""
-    train = config.train
-    if train.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        raise ZayaError(f"{config.source}: key 'train.activation_checkpointing' must be one of "
-                        f"{', '.join(ACTIVATION_CHECKPOINTING)}, got {train.activation_checkpointing!r}")
+    if config.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise ZayaError(f"activation checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got "
+                        f"{config.activation_checkpointing!r}")
     for block in model.blocks:
-        if train.activation_checkpointing == "full":
+        if config.activation_checkpointing == "full":
             checkpoint(block)
-        elif train.activation_checkpointing == "moe":
+        elif config.activation_checkpointing == "moe":
             checkpoint(block.moe)
-        if train.compile:
+        if config.compile:
             block.compile()
     dp_mesh = mesh
     replicas = mesh.size(0) if mesh.ndim == 2 else 1
     ranks = mesh.size(mesh.ndim - 1)
-    bf16 = train.precision == "bf16"
+    bf16 = config.bf16
 
     def placement(param: nn.Parameter) -> Shard:
         return Shard(shard_dim(tuple(param.shape), ranks))

@@ -21,38 +21,45 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from zaya.errors import StartupFailed, ZayaError
+from zaya.parallel.config import DEFAULT_INIT_TIMEOUT_S
 
-DEFAULT_INIT_TIMEOUT_S = 600.0
 _VERDICT = "startup/rank-{}"
 _REPORTED = "startup/reported"  # rank 0 has shown the error: the other ranks may exit
 
 
 @dataclass
 class Launch:
-    """This process's rank among `world_size`, its local rank on its node and torchrun's restart count."""
+    """This process's rank among `world_size`, its local rank on its node and torchrun's restart count, and where
+    the job's store is (`master_addr`, `master_port`; the torchrun agent's own when `agent_store`)."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: int = 1
     restart: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    agent_store: bool = False
     init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S  # how long to wait for the other ranks to start
     _store: dist.Store | None = field(default=None, repr=False)
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> Launch:
-        """The launcher's description of this process (one process when there is none)."""
-        env = os.environ if env is None else env
-        world_size = max(1, int(env.get("WORLD_SIZE", "1")))
-        return cls(rank=int(env.get("RANK", "0")) if world_size > 1 else 0, world_size=world_size,
-                   local_rank=int(env.get("LOCAL_RANK", "0")),
-                   restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    def from_env(cls, environ: Mapping[str, str]) -> Launch:
+        """The launcher's description of this process, from its environment (one process when there is none)."""
+        world_size = max(1, int(environ.get("WORLD_SIZE", "1")))
+        return cls(rank=int(environ.get("RANK", "0")) if world_size > 1 else 0, world_size=world_size,
+                   local_rank=int(environ.get("LOCAL_RANK", "0")),
+                   local_world_size=int(environ.get("LOCAL_WORLD_SIZE", str(world_size))),
+                   restart=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                   master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                   master_port=int(environ.get("MASTER_PORT", "0")),
+                   agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
 
     @property
     def is_main(self) -> bool:
@@ -65,9 +72,8 @@ class Launch:
             if self.world_size == 1:
                 base = dist.HashStore()
             else:
-                agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-                base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
-                                     is_master=self.rank == 0 and not agent_store, timeout=timeout,
+                base = dist.TCPStore(self.master_addr, self.master_port, self.world_size,
+                                     is_master=self.rank == 0 and not self.agent_store, timeout=timeout,
                                      wait_for_workers=False)
             self._store = dist.PrefixStore(f"zaya/restart-{self.restart}", base)
         self._store.set_timeout(timeout)
@@ -104,6 +110,17 @@ class Launch:
         for rank, verdict in enumerate(verdicts):
             if verdict.startswith("error:"):
                 raise self._failure(f"rank {rank}: {verdict.removeprefix('error:')}")
+
+    def gather(self, name: str, value: str) -> list[str]:
+        """Every rank's `value` for `name`, rank by rank, through the job's store (every rank calls it once; after
+        the start-up check, so that every rank is alive to answer)."""
+        if self.world_size == 1:
+            return [value]
+        store = self.store()
+        keys = [f"gather/{name}/rank-{rank}" for rank in range(self.world_size)]
+        store.set(keys[self.rank], value)
+        store.wait(keys, datetime.timedelta(seconds=self.init_timeout_s))
+        return [store.get(key).decode() for key in keys]
 
     def _failure(self, message: str, wait: bool = True) -> StartupFailed:
         """The error this rank leaves with: rank 0 shows it and then lets the others go; they wait for that."""

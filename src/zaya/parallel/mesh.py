@@ -29,68 +29,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from zaya.device import distributed_backend
+from zaya.device import backend_fits, distributed_backend
 from zaya.errors import ZayaError
 from zaya.parallel.comm import CommCounter
-from zaya.parallel.launch import DEFAULT_INIT_TIMEOUT_S, Launch
-
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
-BACKENDS = ("auto", "nccl", "gloo")
-CP_KERNELS = ("allgather", "ring")
-CP_SHARDINGS = ("headtail", "contiguous")
-
-
-@dataclass
-class ParallelConfig:
-    """`[parallel]`: the mesh, the collective library and the timeouts."""
-
-    dp_replicate: int = 1  # HSDP replicas, each a full copy of the sharded state (usually one per node)
-    dp_shard: int = -1  # -1: every rank the other dimensions leave
-    cp: int = 1  # context-parallel ranks that split each sequence
-    cp_kernel: str = "allgather"  # "ring" passes key/value blocks rank to rank, overlapped with compute
-    cp_sharding: str = "headtail"  # "contiguous": chunk r on rank r (for debugging; unbalanced work)
-    backend: str = "auto"  # "auto": nccl on GPUs (CUDA and ROCm), gloo on the CPU
-    timeout_s: float = 1800.0  # every process group's collective timeout
-    init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S  # joining the job: the store, the start-up check
-
-    def validate(self, source: str) -> None:
-        """Refuse values that fit no world size, naming the key."""
-        for key in ("dp_replicate", "cp"):
-            if getattr(self, key) < 1:
-                raise ZayaError(f"{source}: key 'parallel.{key}' must be at least 1, got {getattr(self, key)}")
-        if self.dp_shard < 1 and self.dp_shard != -1:
-            raise ZayaError(f"{source}: key 'parallel.dp_shard' must be at least 1, or -1 for every rank the "
-                            f"other dimensions leave, got {self.dp_shard}")
-        for key, allowed in (("cp_kernel", CP_KERNELS), ("cp_sharding", CP_SHARDINGS)):
-            if getattr(self, key) not in allowed:
-                raise ZayaError(f"{source}: key 'parallel.{key}' must be one of {', '.join(allowed)}, "
-                                f"got {getattr(self, key)!r}")
-        if self.backend not in BACKENDS:
-            raise ZayaError(f"{source}: key 'parallel.backend' must be one of {', '.join(BACKENDS)}, "
-                            f"got {self.backend!r}")
-        for key in ("timeout_s", "init_timeout_s"):
-            if not getattr(self, key) > 0:
-                raise ZayaError(f"{source}: key 'parallel.{key}' must be positive, got {getattr(self, key)}")
-
-    def shape(self, world_size: int, source: str) -> tuple[int, int, int]:
-        """(dp_replicate, dp_shard, cp) for `world_size` ranks, `dp_shard = -1` filled in."""
-        replicate, shard, cp = self.dp_replicate, self.dp_shard, self.cp
-        if shard == -1:
-            if world_size % (replicate * cp):
-                raise ZayaError(f"{source}: {world_size} ranks do not divide into parallel.dp_replicate = "
-                                f"{replicate} x parallel.cp = {cp} (parallel.cp must divide the world size)")
-            shard = world_size // (replicate * cp)
-        if replicate * shard * cp != world_size:
-            raise ZayaError(f"{source}: parallel.dp_replicate x dp_shard x cp = {replicate} x {shard} x {cp} = "
-                            f"{replicate * shard * cp}, but the job has {world_size} ranks")
-        return replicate, shard, cp
-
-    def backend_for(self, device: torch.device, source: str) -> str:
-        backend = distributed_backend(device) if self.backend == "auto" else self.backend
-        if backend == "nccl" and device.type != "cuda":
-            raise ZayaError(f"{source}: key 'parallel.backend' is 'nccl', which needs GPUs, but training runs on "
-                            f"{device}")
-        return backend
+from zaya.parallel.config import MESH_DIMS, ParallelConfig
+from zaya.parallel.launch import Launch
 
 
 @dataclass
@@ -150,12 +93,21 @@ class ParallelContext:
             dist.destroy_process_group()
 
 
+def backend_for(config: ParallelConfig, device: torch.device, source: str) -> str:
+    """The collective library `[parallel] backend` resolves to for tensors on `device`."""
+    backend = distributed_backend(device) if config.backend == "auto" else config.backend
+    if not backend_fits(backend, device):
+        raise ZayaError(f"{source}: key 'parallel.backend' is '{backend}', which needs GPUs, but training runs on "
+                        f"{device}")
+    return backend
+
+
 def init_parallel(
     config: ParallelConfig, device: torch.device, launch: Launch, source: str = "config"
 ) -> ParallelContext:
     """Join the job (or make a one-process one) and build the mesh; see the module docstring."""
     shape = config.shape(launch.world_size, source)
-    backend = config.backend_for(device, source)
+    backend = backend_for(config, device, source)
     timeout = datetime.timedelta(seconds=config.timeout_s)
     owns = not dist.is_initialized()
     if owns:

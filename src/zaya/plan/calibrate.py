@@ -60,7 +60,8 @@ def _time_model(config, device: torch.device, tokens: int, precision: str, repea
     """(forward + backward of the loss, one optimizer step if `optimizer`): median seconds for a model of
     `config`."""
     from zaya.model.transformer import Zaya
-    from zaya.optim import OptimConfig, build_optimizer
+    from zaya.optim.config import OptimConfig
+    from zaya.optim.hybrid import build_optimizer
 
     torch.manual_seed(0)
     model = Zaya(config).to(device)

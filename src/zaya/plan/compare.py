@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zaya.config import ModelSection, RunConfig
+from zaya.config import RunConfig
+from zaya.model.presets import ModelSection
 from zaya.plan.devices import DeviceSpec, get_device
 from zaya.plan.inventory import inventory
 from zaya.plan.layout import Layout
@@ -77,8 +78,8 @@ CPU_DETAILS = {"fp32": DeviceDetails(1, 1 << 21), "bf16": DeviceDetails(32, 1 <<
 def predicted_step(case: Case, rank: int = 0, device: DeviceSpec | None = None, table=None) -> dict:
     """{state, activations, comm, seconds} as the planner predicts them for `rank` of `case` (seconds only
     with a `table` or a `device`; the CPU's per-device choices otherwise, as `measured_step` runs there)."""
-    config = case.run_config()
-    model = config.model_config()
+    run = case.run_config().resolve(case.world)
+    model = run.model
     layout = case.layout
     # a rank's place in its FSDP group (dp_shard x cp, the innermost dimensions)
     parameters, gradients, optimizer = state_bytes(inventory(model), layout.shard_ranks, rank % layout.shard_ranks)
@@ -88,7 +89,7 @@ def predicted_step(case: Case, rank: int = 0, device: DeviceSpec | None = None, 
     saved, _ = activation_bytes(model, tokens, case.seq_len, case.cp, case.precision,
                                 case.activation_checkpointing, details)
     spec = device or (get_device("local", table) if table is not None else get_device("h100"))
-    plan = plan_run(config, case.world, spec, table, case.world, layout)
+    plan = plan_run(run, spec, table, case.world, layout)
     comm = {kind: nbytes for kind, nbytes in plan.first.traffic.by_kind.items() if kind != "trainer"}
     result = {"state": {"parameters": parameters, "gradients": gradients, "optimizer_state": optimizer},
               "activations": saved, "comm": comm}

@@ -23,12 +23,16 @@ Every figure of a published device is the vendor's datasheet value (URLs in `sou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
+from zaya.device import accelerator_name, default_device, default_gemm_dtype, measure_matmul_flops
 from zaya.errors import ZayaError
 
 if TYPE_CHECKING:
-    from zaya.plan.shapes import EfficiencyTable
+    from zaya.plan.table import EfficiencyTable
 
 
 @dataclass(frozen=True)
@@ -167,18 +171,20 @@ def device_names() -> list[str]:
     return [*DEVICES, "local"]
 
 
-def get_device(name: str, table: EfficiencyTable | None = None, *, dtype: str | None = None) -> DeviceSpec:
+def get_device(name: str, table: EfficiencyTable | None = None, *, dtype: str | None = None,
+               cache: Path | None = None) -> DeviceSpec:
     """The device called `name` (lower case). "local" is built from a measured table: `table`, or the one
-    `zaya shapes` wrote for `dtype` (default: this machine's default GEMM dtype)."""
+    `zaya shapes` wrote for `dtype` (default: this machine's default GEMM dtype) under the cache directory
+    `cache` (`zaya.plan.table.cache_dir`)."""
     if name == "local":
         if table is None:
-            from zaya.plan.shapes import EfficiencyTable, default_table_path, dtype_name
+            from zaya.plan.table import EfficiencyTable, default_table_path, dtype_name
 
             if dtype is None:
-                from zaya.device import default_device, default_gemm_dtype
-
                 dtype = dtype_name(default_gemm_dtype(default_device()))
-            path = default_table_path(dtype)
+            if cache is None:
+                raise ZayaError("the local device needs its measured table, or the cache directory that holds it")
+            path = default_table_path(dtype, cache)
             if not path.is_file():
                 raise ZayaError(f"no measured table for the local device at {path}: run `zaya shapes` first")
             table = EfficiencyTable.load(path)
@@ -227,8 +233,20 @@ def match_device(torch_device_name: str) -> DeviceSpec | None:
     return None
 
 
-def describe_devices() -> str:
-    """The device table as text (for `zaya plan --devices`)."""
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """(FLOP/s, source): the published dense peak of a known GPU in bf16 or fp16 (`match_device`), else a
+    measurement on this device (`zaya.device.measure_matmul_flops`)."""
+    name = accelerator_name(device)
+    if name is not None and dtype in (torch.bfloat16, torch.float16):
+        spec = match_device(name)
+        if spec is not None:
+            return spec.peak_flops["bf16"], f"table ({name})"
+    return measure_matmul_flops(device, dtype), "measured"
+
+
+def describe_devices(cache: Path) -> str:
+    """The device table as text (for `zaya plan --devices`); `cache` is where `zaya shapes` keeps this machine's
+    tables (`zaya.plan.table.cache_dir`)."""
     header = (f"{'name':<8} {'label':<34} {'bf16 TFLOP/s':>12} {'memory GB':>9} {'HBM TB/s':>8} "
               f"{'intra GB/s':>10} {'inter GB/s':>10} {'GPUs/node':>9} {'GEMM eff':>8}")
     lines = [header]
@@ -238,11 +256,12 @@ def describe_devices() -> str:
             f"{spec.memory_bandwidth / 1e12:>8.2f} {spec.intra_node_bandwidth / 1e9:>10.1f} "
             f"{spec.inter_node_bandwidth / 1e9:>10.1f} {spec.gpus_per_node:>9} {spec.gemm_efficiency:>8.2f}"
         )
-    from zaya.plan.shapes import default_table_path
+    from zaya.plan.table import default_table_path
 
-    measured = [dtype for dtype in ("bf16", "fp32") if default_table_path(dtype).is_file()]
+    measured = [dtype for dtype in ("bf16", "fp32") if default_table_path(dtype, cache).is_file()]
     state = f"measured: {', '.join(measured)}" if measured else "not measured yet"
-    lines.append(f"{'local':<8} {'this machine, by `zaya shapes`':<34} ({state}; {default_table_path('<dtype>')})")
+    lines.append(f"{'local':<8} {'this machine, by `zaya shapes`':<34} ({state}; "
+                 f"{default_table_path('<dtype>', cache)})")
     lines.append("peaks are dense (no sparsity); memory in decimal GB; link bandwidths per GPU per direction; "
                  "GEMM eff is an assumption")
     return "\n".join(lines)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zaya.parallel.dtensor import local
+from zaya.parallel.launch import Launch
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -80,41 +81,39 @@ def activation_bytes(forward: Callable[[], Any], model: nn.Module) -> tuple[Any,
     return result, sum(storages.values())
 
 
-def measured_step(preset: str, precision: str, seq_len: int, micro_batch_size: int, micro_batches: int,
-                  dp_replicate: int = 1, cp: int = 1, activation_checkpointing: str = "none",
+def measured_step(launch: Launch, preset: str, precision: str, seq_len: int, micro_batch_size: int,
+                  micro_batches: int, dp_replicate: int = 1, cp: int = 1, activation_checkpointing: str = "none",
                   cp_kernel: str = "allgather", ns_dtype: str = "float32", steps: int = 2,
                   seed: int = 0) -> dict:
-    """On each rank of a launched job (torchrun's environment): build the model of `preset` as the trainer
-    does (FSDP2 over the job's mesh, Muon + AdamW), run `steps` optimizer steps of `micro_batches`
+    """On each rank of a launched job (`launch`: torchrun's environment): build the model of `preset` as the
+    trainer does (FSDP2 over the job's mesh, Muon + AdamW), run `steps` optimizer steps of `micro_batches`
     micro-batches of random tokens (Newton-Schulz in `ns_dtype`), and return what the last step held and
     sent: `state` (`state_bytes`), `activations` (of its first micro-batch), `comm` (bytes by collective
     kind; this loop makes none of the trainer's own all-reduces) and `seconds` (the median step after the
     first, which warms the allocator and the kernels up; the only one if `steps` is 1)."""
     import time
 
-    from zaya.config import RunConfig
     from zaya.device import tune_host_allocator
     from zaya.model.presets import get_preset
     from zaya.model.transformer import Zaya
-    from zaya.optim import build_optimizer
+    from zaya.optim.config import OptimConfig
+    from zaya.optim.hybrid import build_optimizer
+    from zaya.parallel.config import ParallelConfig, ParallelizeConfig
     from zaya.parallel.context import ContextParallel, SequenceLayout
     from zaya.parallel.dtensor import clip_grad_norm_
     from zaya.parallel.fsdp import parallelize
-    from zaya.parallel.launch import Launch
-    from zaya.parallel.mesh import ParallelConfig, init_parallel
+    from zaya.parallel.mesh import init_parallel
+    from zaya.train.config import TrainSection
 
     tune_host_allocator()  # as the trainer does
     device = torch.device("cpu")
-    context = init_parallel(ParallelConfig(dp_replicate=dp_replicate, cp=cp, cp_kernel=cp_kernel), device,
-                            Launch.from_env())
+    context = init_parallel(ParallelConfig(dp_replicate=dp_replicate, cp=cp, cp_kernel=cp_kernel), device, launch)
     try:
-        run = RunConfig()
-        run.train.precision, run.train.activation_checkpointing = precision, activation_checkpointing
-        run.optim.ns_dtype = ns_dtype
         torch.manual_seed(seed)
         config = get_preset(preset, temp_init=1.0)
-        model = parallelize(Zaya(config), context.fsdp_mesh, run, context.counter)
-        optimizer = build_optimizer(model, run.optim, comm=context.counter)
+        sharding = ParallelizeConfig(activation_checkpointing, bf16=precision == "bf16")
+        model = parallelize(Zaya(config), context.fsdp_mesh, sharding, context.counter)
+        optimizer = build_optimizer(model, OptimConfig(ns_dtype=ns_dtype), comm=context.counter)
         sequence = ContextParallel(SequenceLayout(seq_len, cp), context.cp_group, cp_kernel, context.counter) \
             if cp > 1 else None
         generator = torch.Generator().manual_seed(seed + context.dp_rank)
@@ -137,7 +136,7 @@ def measured_step(preset: str, precision: str, seq_len: int, micro_batch_size: i
                 if micro == 0:
                     result["activations"] = saved
                 (loss / micro_batches).backward()
-            clip_grad_norm_([p for p in model.parameters() if p.grad is not None], run.train.grad_clip)
+            clip_grad_norm_([p for p in model.parameters() if p.grad is not None], TrainSection.grad_clip)
             optimizer.step()
             times.append(time.perf_counter() - started)
             result["comm"] = context.counter.take()

@@ -33,7 +33,7 @@ log-probabilities and their gradient, `zaya.model.loss`), or one recomputed bloc
 FSDP2's unsharded parameters, which the root keeps from forward to backward (on one rank every unit does:
 `zaya.parallel.fsdp`), two blocks' worth in flight otherwise (the current and the prefetched one), and two
 blocks' unsharded gradients before their reduce-scatter. The optimizer's Newton-Schulz workspace (the
-matrices this rank owns, whole, `zaya.parallel.muon`) is needed after backward, once activations are gone.
+matrices this rank owns, whole, `zaya.optim.distributed`) is needed after backward, once activations are gone.
 
     total = parameters + gradients + optimizer state + max(activations + transient + buffers, workspace)
 """

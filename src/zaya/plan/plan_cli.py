@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -23,18 +24,19 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:10.2f} GB"
 
 
-def load_target(device: str, precision: str, table_path: Path | None):
-    """(DeviceSpec, measured table or None) for `device`; "local" reads the table `zaya shapes` wrote."""
+def load_target(device: str, precision: str, table_path: Path | None, cache: Path):
+    """(DeviceSpec, measured table or None) for `device`; "local" reads the table `zaya shapes` wrote under the
+    cache directory `cache`, or `table_path`."""
     from zaya.plan.devices import get_device
 
     if device != "local":
         if table_path is not None:
             raise ZayaError("--table applies to --device local only")
         return get_device(device), None
-    from zaya.plan.shapes import EfficiencyTable, default_table_path
+    from zaya.plan.table import EfficiencyTable, default_table_path
 
     dtype = "bf16" if precision == "bf16" else "fp32"
-    path = table_path or default_table_path(dtype)
+    path = table_path or default_table_path(dtype, cache)
     if not path.is_file():
         raise ZayaError(f"no measured table for the local device at {path}: run `zaya shapes --dtype {dtype}` first")
     table = EfficiencyTable.load(path)
@@ -109,23 +111,27 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
     from zaya.plan.devices import describe_devices
     from zaya.plan.planner import auto_precision, plan_run
     from zaya.plan.search import describe, search_layouts, smallest_fit
+    from zaya.plan.table import cache_dir
 
+    cache = cache_dir(os.environ)
     if devices:
-        click.echo(describe_devices())
+        click.echo(describe_devices(cache))
         return
     if config_path is None:
         raise ZayaError("give a run config (zaya plan CONFIG), or --devices")
     config = load_config(config_path, list(overrides))
-    if config.train.precision == "auto":  # as the trainer would resolve it on the target
-        config.train.precision = auto_precision(device_name)
-    device, table = load_target(device_name, config.train.precision, table_path)
+    # as the trainer would resolve `auto` on the target
+    precision = auto_precision(device_name) if config.train.precision == "auto" else config.train.precision
+    device, table = load_target(device_name, precision, table_path, cache)
     if gpus < 1:
         raise ZayaError(f"--gpus must be at least 1, got {gpus}")
     per_node = gpus_per_node or min(device.gpus_per_node, gpus)
-    result = plan_run(config, gpus, device, table, per_node)
+    run = config.resolve(gpus, precision)
+    result = plan_run(run, device, table, per_node)
     data = result.to_dict()
-    smallest = None if result.fits else smallest_fit(config, device, gpus_per_node or device.gpus_per_node, table)
-    ranked = search_layouts(config, gpus, per_node, device, table, progress=not as_json) if search else []
+    smallest = None if result.fits else smallest_fit(config, precision, device,
+                                                     gpus_per_node or device.gpus_per_node, table)
+    ranked = search_layouts(run, per_node, device, table, progress=not as_json) if search else []
     if as_json:
         if smallest is not None:
             data["smallest_fit"] = {"gpus": smallest.layout.gpus, "layout": smallest.layout.__dict__,

@@ -1,5 +1,5 @@
-"""`plan_run`: a run config, a GPU count and a device in; memory per GPU, communication per step, step time,
-throughput, MFU and the wall-clock time of every phase out, before anything runs.
+"""`plan_run`: a run resolved for a GPU count (`zaya.train.run`), and a device, in; memory per GPU, communication
+per step, step time, throughput, MFU and the wall-clock time of every phase out, before anything runs.
 
 The run is the one the trainer would run: every phase on its own mesh (`[parallel]` with the phase's `cp`),
 its sequences of `seq_len` tokens, `global_batch_size` sequences per step split over the data-parallel ranks
@@ -18,19 +18,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zaya.config import RunConfig
-from zaya.data.ramp import BatchRamp, ramp_for
-from zaya.device import grouped_mm_row_multiple, loss_chunk_logits
+from zaya.device import default_accelerator, fast_bf16_matmul, grouped_mm_row_multiple, loss_chunk_logits
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
 from zaya.model.flops import training_flops_per_token
 from zaya.model.params import ParameterReport, parameter_report
-from zaya.parallel.context import SequenceLayout
+from zaya.parallel.config import sequence_split_problem
 from zaya.plan.devices import DeviceSpec
 from zaya.plan.layout import Layout, check_batch
 from zaya.plan.memory import MODES, DeviceDetails, Memory, activation_bytes, memory_per_gpu
 from zaya.plan.timing import Rates, RooflineRates, StepTime, step_time
 from zaya.plan.traffic import Traffic, step_traffic
+from zaya.train.run import ResolvedRun
 
 # measured collective bandwidth is below the links' peak: NCCL/RCCL bus bandwidth reaches about this fraction
 COLLECTIVE_EFFICIENCY = 0.8
@@ -142,7 +141,7 @@ def _cached_report(key: str) -> ParameterReport:
 
 def device_details(device: DeviceSpec, table_device: str | None, precision: str) -> DeviceDetails:
     """The model code's per-device choices (`zaya.device`) for the device planned for."""
-    torch_device = torch.device(table_device or "cuda")
+    torch_device = torch.device(table_device) if table_device else default_accelerator()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     return DeviceDetails(row_multiple=grouped_mm_row_multiple(torch_device, dtype),
                          loss_chunk_logits=loss_chunk_logits(torch_device))
@@ -155,12 +154,11 @@ def rates_for(device: DeviceSpec, table=None) -> Rates:
     return RooflineRates(device.peak_flops, device.memory_bandwidth, device.gemm_efficiency)
 
 
-def layout_of(config: RunConfig, gpus: int, gpus_per_node: int, cp: int | None = None) -> Layout:
-    """The `Layout` the config's `[parallel]` gives on `gpus` GPUs (with a phase's `cp`)."""
-    parallel = dataclasses.replace(config.parallel, cp=cp or config.parallel.cp)
-    replicate, shard, cp = parallel.shape(gpus, config.source)
-    return Layout(gpus, gpus_per_node, replicate, shard, cp, config.train.micro_batch_size,
-                  config.train.activation_checkpointing)
+def layout_of(run: ResolvedRun, gpus_per_node: int, phase: int) -> Layout:
+    """The `Layout` the run's `[parallel]` gives phase `phase` on its GPUs."""
+    mesh = run.mesh(phase)
+    return Layout(run.world_size, gpus_per_node, mesh.dp_replicate, mesh.dp_shard, mesh.cp, run.train.micro_batch_size,
+                  run.train.activation_checkpointing)
 
 
 def bandwidths_for(layout: Layout, device: DeviceSpec) -> dict[str, float]:
@@ -175,42 +173,34 @@ def bandwidths_for(layout: Layout, device: DeviceSpec) -> dict[str, float]:
     return {dim: (inter if crosses else intra) for dim, crosses in spans.items()}
 
 
-def plan_phase(config: RunConfig, layout: Layout, seq_len: int, device: DeviceSpec, rates: Rates,
+def plan_phase(run: ResolvedRun, layout: Layout, seq_len: int, device: DeviceSpec, rates: Rates,
                details: DeviceDetails, name: str = "main", global_batch: int | None = None) -> PhasePlan:
     """The `PhasePlan` of one step of `global_batch` sequences (default: the full batch) of `seq_len` tokens
     under `layout`."""
-    train, model = config.train, config.model_config()
+    train, model, optim, parallel = run.train, run.model, run.optim, run.parallel
     global_batch = global_batch or train.global_batch_size
-    check_batch(global_batch, layout, "train.global_batch_size", config.source)
+    check_batch(global_batch, layout, "train.global_batch_size", run.source)
     per_rank = global_batch // layout.dp
     micro = min(layout.micro_batch_size, per_rank)
     layout = dataclasses.replace(layout, micro_batch_size=micro)
     micro_batches = math.ceil(per_rank / micro)
-    optim = config.optim
-    memory = memory_per_gpu(model, layout, seq_len, train.precision, optim.ns_dtype, details)
+    memory = memory_per_gpu(model, layout, seq_len, run.precision, optim.ns_dtype, details)
     tokens = micro * seq_len // layout.cp
-    by_mode = {mode: activation_bytes(model, tokens, seq_len, layout.cp, train.precision, mode, details)[0]
+    by_mode = {mode: activation_bytes(model, tokens, seq_len, layout.cp, run.precision, mode, details)[0]
                for mode in MODES}
-    traffic = step_traffic(model, layout, seq_len, train.precision, micro_batches, optim.ns_dtype,
-                           config.parallel.cp_kernel, config.parallel.cp_sharding)
-    time = step_time(model, layout, seq_len, train.precision, micro_batches, rates, traffic,
-                     bandwidths_for(layout, device), optim.ns_dtype, optim.ns_steps, config.parallel.cp_kernel,
-                     details)
+    traffic = step_traffic(model, layout, seq_len, run.precision, micro_batches, optim.ns_dtype, parallel.cp_kernel,
+                           parallel.cp_sharding)
+    time = step_time(model, layout, seq_len, run.precision, micro_batches, rates, traffic,
+                     bandwidths_for(layout, device), optim.ns_dtype, optim.ns_steps, parallel.cp_kernel, details)
     return PhasePlan(name, seq_len, layout.cp, layout, 0, 0, micro_batches, memory, traffic, time, by_mode,
                      memory.total <= device.memory_bytes, batch_tokens=global_batch * seq_len)
 
 
-def ramp_of(config: RunConfig) -> BatchRamp:
-    """The trainer's batch ramp (`Trainer.ramp`)."""
-    data = config.data
-    return ramp_for(data.ramp_start, data.ramp_increment, config.train.global_batch_size, data.ramp_samples)
-
-
-def schedule(config: RunConfig) -> list[list[tuple[int, int]]]:
+def schedule(run: ResolvedRun) -> list[list[tuple[int, int]]]:
     """Per phase, its steps as runs of (batch size, steps), as the trainer takes them: a phase ends once its
     token budget is spent (the last one at `train.max_steps`), the batch follows the ramp."""
-    ramp, phases = ramp_of(config), config.resolved_phases()
-    samples, steps_left, result = 0, config.train.max_steps, []
+    ramp, phases = run.ramp, run.phases
+    samples, steps_left, result = 0, run.train.max_steps, []
     for index, phase in enumerate(phases):
         last = index == len(phases) - 1
         runs: list[tuple[int, int]] = []
@@ -240,68 +230,62 @@ def auto_precision(device_name: str) -> str:
     trainer picks."""
     if device_name != "local":
         return "bf16"
-    import torch
-
-    from zaya.device import resolve_precision
-
-    return resolve_precision("auto", torch.device("cpu"))
+    return "bf16" if fast_bf16_matmul(torch.device("cpu")) else "fp32"
 
 
-def plan_run(config: RunConfig, gpus: int, device: DeviceSpec, table=None, gpus_per_node: int | None = None,
+def plan_run(run: ResolvedRun, device: DeviceSpec, table=None, gpus_per_node: int | None = None,
              layout: Layout | None = None) -> Plan:
-    """The `Plan` of `config` on `gpus` GPUs of `device` (`table`: its measured GEMM rates, if any);
-    `layout` replaces the config's mesh, micro-batch and checkpointing in every phase (cp: the phase's)."""
+    """The `Plan` of `run` on its `world_size` GPUs of `device` (`table`: its measured GEMM rates, if any);
+    `layout` replaces the run's mesh, micro-batch and checkpointing in every phase (cp: the phase's)."""
+    gpus = run.world_size
     if gpus < 1:
         raise ZayaError(f"--gpus must be at least 1, got {gpus}")
     per_node = gpus_per_node or min(device.gpus_per_node, gpus)
     if per_node < 1:
         raise ZayaError(f"--gpus-per-node must be at least 1, got {per_node}")
-    if config.train.precision == "auto":  # as the trainer resolves it there
-        train = dataclasses.replace(config.train, precision=auto_precision(device.name))
-        config = dataclasses.replace(config, train=train)
-    model = config.model_config()
+    model = run.model
     rates = rates_for(device, table)
-    details = device_details(device, getattr(table, "device", None), config.train.precision)
+    details = device_details(device, getattr(table, "device", None), run.precision)
     phases, problems = [], []
-    for index, (phase, runs) in enumerate(zip(config.resolved_phases(), schedule(config), strict=True)):
+    for index, (phase, runs) in enumerate(zip(run.phases, schedule(run), strict=True)):
         if not runs:
             continue
         try:
             if layout is None:
-                mesh = layout_of(config, gpus, per_node, phase.cp)
+                mesh = layout_of(run, per_node, index)
             else:
                 # a phase with a cp of its own keeps it; the others take the layout's
-                cp = phase.cp if phase.cp != config.parallel.cp else layout.cp
+                cp = phase.cp if phase.cp != run.parallel.cp else layout.cp
                 if gpus % (layout.dp_replicate * cp):
-                    raise ZayaError(f"{config.source}: cp = {cp} x dp_replicate = {layout.dp_replicate} does not "
+                    raise ZayaError(f"{run.source}: cp = {cp} x dp_replicate = {layout.dp_replicate} does not "
                                     f"divide {gpus} GPUs")
                 mesh = dataclasses.replace(layout, gpus=gpus, gpus_per_node=per_node, cp=cp,
                                            dp_shard=gpus // (layout.dp_replicate * cp))
                 if index == 0 and layout.dp_replicate * layout.dp_shard * layout.cp != gpus:
-                    raise ZayaError(f"{config.source}: dp_replicate x dp_shard x cp = {layout.dp_replicate} x "
+                    raise ZayaError(f"{run.source}: dp_replicate x dp_shard x cp = {layout.dp_replicate} x "
                                     f"{layout.dp_shard} x {layout.cp} is not {gpus} GPUs")
             if mesh.cp > 1:
-                problem = SequenceLayout(phase.seq_len, mesh.cp, config.parallel.cp_sharding).check(
-                    min_chunk=model.conv_padding)
+                problem = sequence_split_problem(phase.seq_len, mesh.cp, run.parallel.cp_sharding,
+                                                 min_chunk=model.conv_padding)
                 if problem:
-                    raise ZayaError(f"{config.source}: seq_len {phase.seq_len} over cp = {mesh.cp}: {problem}")
+                    raise ZayaError(f"{run.source}: seq_len {phase.seq_len} over cp = {mesh.cp}: {problem}")
         except ZayaError as exc:
             if not phases:
                 raise
             problems.append(f"phase '{phase.name}': {str(exc).split(': ', 1)[-1]}")
             continue
-        planned = plan_phase(config, mesh, phase.seq_len, device, rates, details, phase.name)
-        seconds = {batch: plan_phase(config, mesh, phase.seq_len, device, rates, details, phase.name, batch).time.total
-                   for batch in {batch for batch, _ in runs} - {config.train.global_batch_size}}
-        seconds[config.train.global_batch_size] = planned.time.total
+        full = run.train.global_batch_size
+        planned = plan_phase(run, mesh, phase.seq_len, device, rates, details, phase.name)
+        seconds = {batch: plan_phase(run, mesh, phase.seq_len, device, rates, details, phase.name, batch).time.total
+                   for batch in {batch for batch, _ in runs} - {full}}
+        seconds[full] = planned.time.total
         planned.steps = sum(steps for _, steps in runs)
         planned.tokens = sum(batch * steps for batch, steps in runs) * phase.seq_len
         planned.seconds = sum(seconds[batch] * steps for batch, steps in runs)
         phases.append(planned)
-    precision = config.train.precision
-    peak = device.peak_flops.get(precision, device.peak_flops["bf16"])
+    peak = device.peak_flops.get(run.precision, device.peak_flops["bf16"])
     if table is not None:
-        peak = table.peak(precision)
-    return Plan(config.source, device, precision, _parameter_report(model),
+        peak = table.peak(run.precision)
+    return Plan(run.source, device, run.precision, _parameter_report(model),
                 training_flops_per_token(model, phases[0].seq_len, _parameter_report(model)), phases, peak,
                 bandwidths_for(phases[0].layout, device), problems)

@@ -16,6 +16,7 @@ from zaya.plan.devices import DeviceSpec
 from zaya.plan.layout import Layout
 from zaya.plan.memory import MODES
 from zaya.plan.planner import Plan, plan_run
+from zaya.train.run import ResolvedRun
 
 MAX_MICRO_BATCH = 16
 MAX_GPUS = 1 << 17
@@ -36,10 +37,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[Layout]:
-    """Every layout of `gpus` GPUs the search considers (cp inside a node)."""
-    result = []
-    batch = config.train.global_batch_size
+def layouts(run: ResolvedRun, gpus_per_node: int) -> list[Layout]:
+    """Every layout of the run's GPUs the search considers (cp inside a node)."""
+    result, gpus = [], run.world_size
+    batch = run.train.global_batch_size
     for cp in _divisors(gpus):
         if cp > gpus_per_node:
             continue
@@ -53,10 +54,10 @@ def layouts(config: RunConfig, gpus: int, gpus_per_node: int) -> list[Layout]:
     return result
 
 
-def evaluate(config: RunConfig, layout: Layout, device: DeviceSpec, table=None) -> Candidate:
-    """Plan `layout`; a layout that cannot run, or does not fit, says why."""
+def evaluate(run: ResolvedRun, layout: Layout, device: DeviceSpec, table=None) -> Candidate:
+    """Plan `layout` (of the run's GPUs); a layout that cannot run, or does not fit, says why."""
     try:
-        plan = plan_run(config, layout.gpus, device, table, layout.gpus_per_node, layout)
+        plan = plan_run(run, device, table, layout.gpus_per_node, layout)
     except ZayaError as exc:
         return Candidate(layout, None, str(exc).split(": ", 1)[-1])
     if plan.problems:
@@ -68,7 +69,7 @@ def evaluate(config: RunConfig, layout: Layout, device: DeviceSpec, table=None) 
     return Candidate(layout, plan, "")
 
 
-def search_layouts(config: RunConfig, gpus: int, gpus_per_node: int, device: DeviceSpec, table=None,
+def search_layouts(run: ResolvedRun, gpus_per_node: int, device: DeviceSpec, table=None,
                    progress: bool = False) -> list[Candidate]:
     """Every layout of `layouts`, evaluated: the fitting ones first, fastest first, then the rejected
     (`progress`: a bar on stderr)."""
@@ -76,28 +77,31 @@ def search_layouts(config: RunConfig, gpus: int, gpus_per_node: int, device: Dev
 
     from tqdm import tqdm
 
-    options = layouts(config, gpus, gpus_per_node)
-    bar = tqdm(options, unit="layout", desc=f"layouts of {gpus} GPU(s)", file=sys.stderr,
+    options = layouts(run, gpus_per_node)
+    bar = tqdm(options, unit="layout", desc=f"layouts of {run.world_size} GPU(s)", file=sys.stderr,
                disable=not progress or not sys.stderr.isatty(), leave=False)
-    candidates = [evaluate(config, layout, device, table) for layout in bar]
+    candidates = [evaluate(run, layout, device, table) for layout in bar]
     return sorted(candidates, key=lambda c: (bool(c.reason), c.hours))
 
 
-def leanest(config: RunConfig, gpus: int, gpus_per_node: int) -> Layout:
-    """The layout of `gpus` GPUs that needs the least memory: everything sharded, full checkpointing, one
+def leanest(run: ResolvedRun, gpus_per_node: int) -> Layout:
+    """The layout of the run's GPUs that needs the least memory: everything sharded, full checkpointing, one
     sequence per micro-batch, the configured cp."""
-    cp = config.parallel.cp if gpus % config.parallel.cp == 0 else 1
+    gpus, cp = run.world_size, run.parallel.cp
+    cp = cp if gpus % cp == 0 else 1
     return Layout(gpus, gpus_per_node, 1, gpus // cp, cp, 1, "full")
 
 
-def smallest_fit(config: RunConfig, device: DeviceSpec, gpus_per_node: int, table=None) -> Candidate | None:
-    """The fastest layout on the smallest power-of-two GPU count on which the run fits (None: none does up to
-    `MAX_GPUS`)."""
+def smallest_fit(config: RunConfig, precision: str, device: DeviceSpec, gpus_per_node: int,
+                 table=None) -> Candidate | None:
+    """The fastest layout on the smallest power-of-two GPU count on which `config` (in `precision`) fits (None:
+    none does up to `MAX_GPUS`)."""
     gpus = 1
     while gpus <= MAX_GPUS:
         per_node = min(gpus_per_node, gpus)
-        if not evaluate(config, leanest(config, gpus, per_node), device, table).reason:
-            best = search_layouts(config, gpus, per_node, device, table)
+        run = config.resolve(gpus, precision)
+        if not evaluate(run, leanest(run, per_node), device, table).reason:
+            best = search_layouts(run, per_node, device, table)
             return best[0] if best and not best[0].reason else None
         gpus *= 2
     return None

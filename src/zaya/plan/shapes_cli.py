@@ -8,23 +8,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
 
 from zaya.errors import ZayaError
-from zaya.plan.shapes import (
-    DEFAULT_BUDGET_S,
-    DEFAULT_TOKENS,
-    DTYPES,
-    default_table_path,
-    dtype_name,
-    format_recommendations,
-    format_skipped,
-    format_table,
-    recommend,
-    sweep,
-)
+
+# the sweep's defaults, as its help shows them (zaya.plan.shapes; written here so that `zaya --help` imports no
+# torch, and checked against it by the tests)
+DEFAULT_TOKENS = (1024, 2048, 4096, 8192)
+DEFAULT_BUDGET_S = 60.0
 
 
 def _parse_tokens(text: str | None) -> list[int] | None:
@@ -60,6 +54,9 @@ def shapes(device_name: str, preset: str, dtype: str | None, tokens: str | None,
     """Measure the GEMMs of a preset and of variants around it on this machine; recommend dimensions."""
     from zaya.device import default_device, default_gemm_dtype
     from zaya.model.presets import get_preset
+    from zaya.plan.shapes import sweep
+    from zaya.plan.shapes_report import format_recommendations, format_skipped, format_table, recommend
+    from zaya.plan.table import DTYPES, cache_dir, default_table_path, dtype_name
 
     if device_name != "local":
         from zaya.plan.devices import DEVICES
@@ -71,7 +68,7 @@ def shapes(device_name: str, preset: str, dtype: str | None, tokens: str | None,
     device = default_device()
     name = dtype or dtype_name(default_gemm_dtype(device))
     token_list = _parse_tokens(tokens)
-    path = out if out is not None else default_table_path(name)
+    path = out if out is not None else default_table_path(name, cache_dir(os.environ))
     table = sweep(preset, device, DTYPES[name], token_list, progress=progress, budget_s=budget_s)
     recommendations = recommend(table, preset)
     written = table.save(path)

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,18 +38,19 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def cache_dir() -> Path:
-    """$ZAYA_CACHE, else $XDG_CACHE_HOME/zaya, else ~/.cache/zaya."""
-    if os.environ.get("ZAYA_CACHE"):
-        return Path(os.environ["ZAYA_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+def cache_dir(environ: Mapping[str, str]) -> Path:
+    """Where zaya keeps what it measured, by the environment: $ZAYA_CACHE, else $XDG_CACHE_HOME/zaya, else
+    ~/.cache/zaya."""
+    if environ.get("ZAYA_CACHE"):
+        return Path(environ["ZAYA_CACHE"])
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "zaya"
 
 
-def default_table_path(dtype: str) -> Path:
-    """Where `zaya shapes` writes the local device's table for `dtype`, and where the planner looks for it."""
-    return cache_dir() / "shapes" / f"local-{dtype}.json"
-
+def default_table_path(dtype: str, cache: Path) -> Path:
+    """Where `zaya shapes` writes the local device's table for `dtype` under the cache directory `cache`
+    (`cache_dir`), and where the planner looks for it."""
+    return Path(cache) / "shapes" / f"local-{dtype}.json"
 
 
 def _element_size(dtype: str) -> int:

@@ -35,7 +35,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from zaya.device import launches_overlap_compute
+from zaya.device import default_accelerator, launches_overlap_compute
 from zaya.model.config import ZayaConfig
 from zaya.plan.layout import Layout
 from zaya.plan.memory import GPU_DETAILS, DeviceDetails, activation_bytes
@@ -274,7 +274,8 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     per_block, outside = ops_per_block(c)
     recompute_ops = {"none": 0.0, "moe": 0.25, "full": 0.5}[mode] * per_block * L
     dispatch = micro_batches * (per_block * L + outside + recompute_ops) * rates.op_overhead_s
-    if launches_overlap_compute(getattr(rates, "device", "cuda").split(":")[0]):
+    device_type = (getattr(rates, "device", None) or default_accelerator().type).split(":")[0]
+    if launches_overlap_compute(device_type):
         dispatch = max(0.0, dispatch - (time.gemm + time.attention + time.elementwise))
     time.overhead = dispatch
     time.optimizer = optimizer_seconds(c, rates, layout, ns_dtype, ns_steps,

@@ -7,7 +7,7 @@ all-reduce 2 S (N - 1) / N, an all-to-all the bytes addressed to others):
   dtype in forward, another in backward if it reshards after forward (blocks do on more than one rank),
   a reduce-scatter of its fp32 gradients, and with HSDP an all-reduce of the reduced fp32 shards over the
   replicas;
-- distributed Muon (`zaya.parallel.muon`), per step: every matrix split over the FSDP ranks travels to its
+- distributed Muon (`zaya.optim.distributed`), per step: every matrix split over the FSDP ranks travels to its
   owner in fp32 (each rank sends its rows) and back in the Newton-Schulz dtype; stacks of experts split along
   the expert dimension need nothing;
 - context parallelism (`zaya.parallel.context`, `cp_attention`), per micro-batch and layer: the halo (the

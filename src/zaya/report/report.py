@@ -14,11 +14,9 @@ from pathlib import Path
 from zaya.errors import ZayaError
 from zaya.report.plots import write_plots
 from zaya.report.summary import EVAL_HEADER, Summary, eval_rows, read_evals, summarize, summary_rows
-from zaya.resilience.incidents import FILE as INCIDENTS_FILE
 from zaya.resilience.incidents import read_incidents, timeline
+from zaya.run_dir import INCIDENTS_FILE, REPORT_DIR, RUN_CONFIG_FILE, SUPERVISOR_DIR
 from zaya.train.metrics import read_metrics
-
-REPORT_DIR = "report"
 
 STYLE = ("body{font-family:sans-serif;max-width:960px;margin:2em auto}img{max-width:100%}"
          "pre{background:#f4f4f4;padding:1em;overflow:auto}table{border-collapse:collapse;margin-bottom:1em}"
@@ -35,7 +33,7 @@ class Report:
 
 def incident_files(path: Path) -> list[Path]:
     """The incident logs of a run directory or a supervisor state directory: its own and its supervisor's."""
-    return [p for p in (path / INCIDENTS_FILE, path / "supervisor" / INCIDENTS_FILE) if p.is_file()]
+    return [p for p in (path / INCIDENTS_FILE, path / SUPERVISOR_DIR / INCIDENTS_FILE) if p.is_file()]
 
 
 def read_all_incidents(path: Path) -> list[dict]:
@@ -56,7 +54,7 @@ def build_report(run_dir: str | Path) -> Report:
     out.mkdir(exist_ok=True)
     figures = write_plots(rows, out)
     summary = summarize(rows, read_evals(run_dir))
-    config_path = run_dir / "run_config.json"
+    config_path = run_dir / RUN_CONFIG_FILE
     config_text = config_path.read_text(encoding="utf-8") if config_path.is_file() else "{}"
     incidents = read_all_incidents(run_dir)
     page = [

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from zaya.errors import ZayaError
 from zaya.report import numbers
+from zaya.run_dir import EVALS_FILE
 
-EVALS_FILE = "evals.jsonl"
 WARMUP_STEPS = 5  # the first steps (compilation, allocator warm-up) are left out of the throughput medians
 
 

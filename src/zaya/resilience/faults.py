@@ -1,6 +1,8 @@
 """Test-only fault injection: make a training process fail in a chosen way at a chosen point.
 
-Set `ZAYA_FAULTS` to a comma-separated list of `ACTION[=VALUE]@EVENT:STEP[@rank=R][@attempt=A][@run=N]`:
+The injector is one of the trainer's listeners (it hears the trainer's events and may scale a step's loss),
+installed by the `zaya` command when `ZAYA_FAULTS` is set and never otherwise: the step has no branch of its
+own for it. Set `ZAYA_FAULTS` to a comma-separated list of `ACTION[=VALUE]@EVENT:STEP[@rank=R][@attempt=A][@run=N]`:
 
     sigkill@step:7                  die (SIGKILL) just before optimizer step 7 (the 8th)
     sigkill@checkpoint-written:6    die after checkpoint 6's files are written, before its commit
@@ -16,8 +18,7 @@ Set `ZAYA_FAULTS` to a comma-separated list of `ACTION[=VALUE]@EVENT:STEP[@rank=
 
 Qualifiers: `rank` (one rank only), `attempt` (torchrun's restart count), `run` (the supervisor's restart count,
 `ZAYA_RUN_ATTEMPT`). Events: `step` (before an optimizer step), `checkpoint` (before a save starts),
-`checkpoint-written` (files written, not yet committed), `committed` (after the commit). Nothing happens unless
-the variable is set, so production runs are unaffected.
+`checkpoint-written` (files written, not yet committed), `committed` (after the commit).
 """
 
 from __future__ import annotations
@@ -31,12 +32,11 @@ from pathlib import Path
 
 from zaya.errors import ZayaError
 
-ENV = "ZAYA_FAULTS"
-LINE_ENV = "ZAYA_FAULT_LINE"
-RUN_ENV = "ZAYA_RUN_ATTEMPT"
+ENV = "ZAYA_FAULTS"  # named in messages; zaya.resilience.supervision reads it
 ACTIONS = ("sigkill", "raise", "sigstop", "sigterm", "sigusr1", "slow", "nan", "spike", "corrupt", "print")
 VALUED = {"slow": 0.5, "spike": 8.0}  # actions that take a value, and its default
 EVENTS = ("step", "checkpoint", "checkpoint-written", "committed")
+_TRAINER_EVENTS = {"checkpoint_save": "checkpoint"}  # the trainer's name of an event, where it differs
 
 
 class InjectedFault(RuntimeError):
@@ -80,19 +80,20 @@ def parse_faults(text: str) -> list[Fault]:
 
 
 class FaultInjector:
-    """Fires the faults of `ZAYA_FAULTS` (read once, at construction) meant for this rank and attempt."""
+    """Fires the faults of a `ZAYA_FAULTS` text meant for this rank, torchrun attempt and supervisor run. As a
+    trainer listener it is called with the trainer's events; `loss_factor` is its loss scale."""
 
-    def __init__(self, text: str | None = None, *, rank: int = 0, attempt: int = 0, run: int | None = None):
-        faults = parse_faults(os.environ.get(ENV, "") if text is None else text)
-        run = int(os.environ.get(RUN_ENV, "0") or 0) if run is None else run
-        self.faults = [f for f in faults
+    def __init__(self, text: str, *, rank: int = 0, attempt: int = 0, run: int = 0, line: str = ""):
+        self.faults = [f for f in parse_faults(text)
                        if f.rank in (None, rank) and f.attempt in (None, attempt) and f.run in (None, run)]
+        self.line = line  # what `print` prints
         self._fired: set[Fault] = set()
 
     def __bool__(self) -> bool:
         return bool(self.faults)
 
     def __call__(self, event: str, step: int, path: Path | None = None) -> None:
+        event = _TRAINER_EVENTS.get(event, event)
         for fault in self.faults:
             if fault.event != event:
                 continue
@@ -111,7 +112,7 @@ class FaultInjector:
             elif fault.action == "raise":
                 raise InjectedFault(f"injected fault at {event} {step}")
             elif fault.action == "print":
-                print(os.environ.get(LINE_ENV, f"injected log line at {event} {step}"), file=sys.stderr, flush=True)
+                print(self.line or f"injected log line at {event} {step}", file=sys.stderr, flush=True)
             elif fault.action == "corrupt" and path is not None:
                 corrupt_shard(path)
 

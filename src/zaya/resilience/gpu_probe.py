@@ -21,100 +21,27 @@ GPU backends (`ProbeConfig.gpu`):
     auto         nvidia-smi if its command is on PATH, else amd-smi if its command is, else sysfs if any card
                  has RAS counters, else no GPU probe
     none         no GPU probe
-
-The helpers it shares with `zaya.resilience.probes` (reading sysfs files, the error a poll records, the
-integer test of the config checks) are here rather than there because that module imports this one: keeping
-them here keeps the import one-way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zaya.errors import ZayaError
 from zaya.resilience.findings import Finding
-
-if TYPE_CHECKING:  # zaya.resilience.probes imports this module: the config type is only named here
-    from zaya.resilience.probes import ProbeConfig
+from zaya.resilience.probe_config import ProbeConfig
+from zaya.resilience.readings import ReadError, is_int, read_text, run_command, shown
 
 NVIDIA_SMI_ARGS = [
     "--query-gpu=index,pci.bus_id,ecc.errors.uncorrected.volatile.total,ecc.errors.uncorrected.aggregate.total",
     "--format=csv,noheader,nounits",
 ]
 AMD_SMI_ARGS = ["metric", "--ecc", "--json"]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# ---- reading ---------------------------------------------------------------------------------------------
-
-
-class _ReadError(Exception):
-    """A command or file could not be read; the poll records the message in `last_error`."""
-
-
-def _shown(root: Path, path: Path) -> str:
-    """`path` as it is on a real machine: without the root prefix, which only tests set."""
-    try:
-        return "/" + path.relative_to(root).as_posix()
-    except ValueError:
-        return str(path)
-
-
-def _read(path: Path) -> str | None:
-    """The stripped text of a sysfs file, None when it does not exist; other errors raise `_ReadError`."""
-    try:
-        return path.read_text(encoding="utf-8", errors="replace").strip()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as exc:
-        raise _ReadError(f"{path}: {exc.strerror or exc}") from None
-
-
-@dataclass
-class _Output:
-    returncode: int
-    stdout: str
-    stderr: str
-
-    def first_line(self) -> str:
-        for line in (self.stderr + "\n" + self.stdout).splitlines():
-            if line.strip():
-                return line.strip()
-        return "no output"
-
-
-def _run(argv: list[str], timeout_s: float) -> _Output:
-    """Run a read-only command; `_ReadError` when it cannot start or runs past `timeout_s`.
-
-    It runs in a session of its own so that a timeout kills everything it started: a wrapper script's child
-    would otherwise keep the pipes open and hold the supervisor past the timeout."""
-    try:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            errors="replace", start_new_session=True,
-        )  # fmt: skip
-    except OSError as exc:
-        raise _ReadError(f"{argv[0]}: {exc.strerror or exc}") from None
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise _ReadError(f"{argv[0]}: no answer within {timeout_s:g} s") from None
-    return _Output(proc.returncode, stdout, stderr)
 
 
 # ---- GPUs ------------------------------------------------------------------------------------------------
@@ -172,7 +99,7 @@ def _smi_value(text: str) -> int | None:
 
 def _json_count(value: Any) -> int | None:
     """A counter from amd-smi's JSON: an integer, or "N/A" when unsupported."""
-    if _is_int(value):
+    if is_int(value):
         return value
     if isinstance(value, str) and value.strip().isdigit():
         return int(value)
@@ -197,7 +124,7 @@ class GpuProbe:
         """Read the backend once; report counter increases and GPUs gone since the previous poll."""
         try:
             snapshot = self._read()
-        except _ReadError as exc:
+        except ReadError as exc:
             self.last_error = str(exc)
             return []
         self.last_error = snapshot.error
@@ -261,7 +188,7 @@ class GpuProbe:
 
     def _read_nvidia(self) -> _GpuSnapshot:
         argv = [*self.config.nvidia_smi, *NVIDIA_SMI_ARGS]
-        out = _run(argv, self.config.command_timeout_s)
+        out = run_command(argv, self.config.command_timeout_s)
         readings = {}
         for line in out.stdout.splitlines():
             fields = [part.strip() for part in line.split(",")]
@@ -287,32 +214,32 @@ class GpuProbe:
             # from the rows are judged lost only when its messages name them
             error = f"{argv[0]} exited with status {out.returncode}: {out.first_line()}"
             if not readings and not mentions:
-                raise _ReadError(error)
+                raise ReadError(error)
             return _GpuSnapshot(readings, complete=False, mentions=mentions, error=error)
         if not readings:
-            raise _ReadError(f"{argv[0]}: unexpected output: {out.first_line()}")
+            raise ReadError(f"{argv[0]}: unexpected output: {out.first_line()}")
         return _GpuSnapshot(readings, complete=True, mentions=mentions)
 
     def _read_amd_smi(self) -> _GpuSnapshot:
         argv = [*self.config.amd_smi, *AMD_SMI_ARGS]
-        out = _run(argv, self.config.command_timeout_s)
+        out = run_command(argv, self.config.command_timeout_s)
         if out.returncode != 0:
-            raise _ReadError(f"{argv[0]} exited with status {out.returncode}: {out.first_line()}")
+            raise ReadError(f"{argv[0]} exited with status {out.returncode}: {out.first_line()}")
         # a warning (a missing group membership, say) may come before the JSON
         start = min((i for i in (out.stdout.find("["), out.stdout.find("{")) if i >= 0), default=-1)
         if start < 0:
-            raise _ReadError(f"{argv[0]}: output is not JSON: {out.first_line()[:80]!r}")
+            raise ReadError(f"{argv[0]}: output is not JSON: {out.first_line()[:80]!r}")
         try:
             data, _ = json.JSONDecoder().raw_decode(out.stdout[start:])
         except json.JSONDecodeError as exc:
-            raise _ReadError(f"{argv[0]}: output is not JSON ({exc})") from None
+            raise ReadError(f"{argv[0]}: output is not JSON ({exc})") from None
         if isinstance(data, dict) and isinstance(data.get("gpu_data"), list):
             data = data["gpu_data"]
         if not isinstance(data, list):
-            raise _ReadError(f"{argv[0]}: expected a JSON list of GPUs, got {out.first_line()[:80]!r}")
+            raise ReadError(f"{argv[0]}: expected a JSON list of GPUs, got {out.first_line()[:80]!r}")
         readings = {}
         for entry in data:
-            if not isinstance(entry, dict) or not _is_int(entry.get("gpu")):
+            if not isinstance(entry, dict) or not is_int(entry.get("gpu")):
                 continue
             index = entry["gpu"]
             ecc = entry.get("ecc")
@@ -326,7 +253,7 @@ class GpuProbe:
     def _read_sysfs(self) -> _GpuSnapshot:
         drm = self._root / "sys/class/drm"
         if not drm.is_dir():
-            raise _ReadError(f"{drm}: no such directory")
+            raise ReadError(f"{drm}: no such directory")
         errors = []
         readings = {}
         for position, card in enumerate(_ras_cards(drm)):
@@ -336,21 +263,21 @@ class GpuProbe:
             for path in sorted(ras.glob("*_err_count")):
                 block = path.name.removesuffix("_err_count")
                 try:
-                    text = _read(path)
-                except _ReadError as exc:
+                    text = read_text(path)
+                except ReadError as exc:
                     errors.append(str(exc))
                     text = None
                 ecc[block] = _ras_ue(text)
                 if text is not None:
-                    evidence[block] = f"{_shown(self._root, path)}: {' '.join(text.split())}"
+                    evidence[block] = f"{shown(self._root, path)}: {' '.join(text.split())}"
             pages_path = ras / "gpu_vram_bad_pages"
             try:
-                pages = _retired_pages(_read(pages_path))
-            except _ReadError:
+                pages = _retired_pages(read_text(pages_path))
+            except ReadError:
                 pages = None  # readable by root only on some kernels; the counters above still tell
             readings[card.name] = _GpuReading(
-                position, _shown(self._root, ras), ecc, overlapping=False, evidence=evidence,
-                retired_pages=pages, pages_evidence=f"{_shown(self._root, pages_path)}: {pages} pages retired",
+                position, shown(self._root, ras), ecc, overlapping=False, evidence=evidence,
+                retired_pages=pages, pages_evidence=f"{shown(self._root, pages_path)}: {pages} pages retired",
             )  # fmt: skip
         return _GpuSnapshot(readings, complete=True, error="; ".join(errors) or None)
 

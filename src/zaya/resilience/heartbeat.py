@@ -4,7 +4,8 @@ Worker side (`Heartbeat`): on entering a section (`init`, `checkpoint_load`, `st
 `checkpoint_save`, and `done` at the end) a rank rewrites one small JSON file, `rank-N.json`, atomically
 (write, then rename): the section, the step, the wall time, its pid, and the longest recent duration of each
 section it has finished. That is one `open`/`write`/`rename` per step, no collective, no device sync: the
-hot path does not notice it. Nothing happens unless `ZAYA_HEARTBEAT_DIR` is set (the supervisor sets it).
+hot path does not notice it. The trainer writes heartbeats only when its supervisor asked for them
+(`zaya.resilience.supervision`).
 
 Supervisor side (`HeartbeatWatcher`): a rank in section S since time t is hung when
 
@@ -29,7 +30,6 @@ from pathlib import Path
 from zaya.resilience.findings import Finding
 from zaya.resilience.processes import process_state
 
-ENV = "ZAYA_HEARTBEAT_DIR"
 SECTIONS = ("init", "checkpoint_load", "step", "eval", "checkpoint_save", "done")
 WINDOW = 32  # recent durations kept per section
 
@@ -49,13 +49,14 @@ class Heartbeat:
             self._path = self.directory / f"rank-{rank}.json"
             self._tmp = self.directory / f".rank-{rank}.json.tmp"
 
-    @classmethod
-    def from_env(cls, rank: int) -> Heartbeat:
-        return cls(os.environ.get(ENV) or None, rank)
-
     @property
     def enabled(self) -> bool:
         return self.directory is not None
+
+    def __call__(self, event: str, step: int, path: Path | None = None) -> None:
+        """As a trainer listener: a beat for each section the trainer enters; its other events are no sections."""
+        if event in SECTIONS:
+            self.beat(event, step)
 
     def beat(self, section: str, step: int) -> None:
         """Enter `section` at `step` (the number of completed optimizer steps)."""

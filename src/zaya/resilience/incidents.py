@@ -15,9 +15,6 @@ from pathlib import Path
 
 from zaya.errors import ZayaError
 
-ENV = "ZAYA_INCIDENTS"  # where the trainer appends its own decisions (set by the supervisor)
-FILE = "incidents.jsonl"
-
 
 def now_iso(seconds: float | None = None) -> str:
     seconds = time.time() if seconds is None else seconds
@@ -29,10 +26,6 @@ class IncidentLog:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-
-    @classmethod
-    def for_trainer(cls, run_dir: Path) -> IncidentLog:
-        return cls(os.environ.get(ENV) or Path(run_dir) / FILE)
 
     def append(self, record: dict) -> dict:
         record = {"time": now_iso(), "event": "incident", **record}

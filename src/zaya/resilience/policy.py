@@ -4,7 +4,7 @@
     [heartbeat]                   factor, floor_s, first_timeout_s, init_timeout_s (zaya.resilience.heartbeat)
     [training]                    what the trainer watches itself: spike_ratio, spike_window, spike_min_history,
                                   spike_skip_steps, max_skipped_steps, straggler_ratio, straggler_min_s
-    [probes]                      root, gpu, nics, storage, ... (zaya.resilience.probes.ProbeConfig)
+    [probes]                      root, gpu, nics, storage, ... (zaya.resilience.probe_config.ProbeConfig)
 
     [[rule]]
     signal = "nic_flap"           a signal name, a list of them, or "*"
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,9 +30,7 @@ import tomllib
 from zaya.errors import ZayaError
 from zaya.resilience.findings import Finding
 from zaya.resilience.heartbeat import HeartbeatSettings
-from zaya.resilience.probes import ProbeConfig
-
-ENV = "ZAYA_POLICY"  # the supervisor hands its policy file to the trainer through this variable
+from zaya.resilience.probe_config import ProbeConfig
 
 ACTIONS = ("restart", "cordon_gpu", "cordon_node", "skip_step", "rollback", "stop", "log")
 TRAINING_ACTIONS = ("skip_step", "rollback")  # decided inside the trainer, for its own signals
@@ -146,10 +143,6 @@ class Policy:
         if policy.supervisor.max_no_progress < 1:
             raise ZayaError(f"{where}: 'supervisor.max_no_progress' must be at least 1")
         return policy
-
-    @classmethod
-    def from_env(cls) -> Policy:
-        return cls.load(os.environ.get(ENV) or None)
 
 
 def _table(value: object, name: str, where: str) -> dict:

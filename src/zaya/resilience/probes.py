@@ -31,111 +31,19 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
-from zaya.errors import ZayaError
 from zaya.resilience.findings import Finding
-from zaya.resilience.gpu_probe import (
-    AMD_SMI_ARGS,
-    NVIDIA_SMI_ARGS,
-    GpuProbe,
-    _is_int,
-    _read,
-    _ReadError,
-    _shown,
-    gpu_backend,
-)
+from zaya.resilience.gpu_probe import GpuProbe, gpu_backend
+from zaya.resilience.probe_config import GIB, ProbeConfig
+from zaya.resilience.readings import ReadError, read_int, read_text, shown
 
-__all__ = [
-    "ABSENT",
-    "AMD_SMI_ARGS",
-    "GIB",
-    "GPU_BACKENDS",
-    "LINK_DOWN_STATES",
-    "NVIDIA_SMI_ARGS",
-    "GpuProbe",
-    "NicProbe",
-    "Probe",
-    "ProbeConfig",
-    "StorageProbe",
-    "build_probes",
-    "gpu_backend",
-]
-
-GIB = 2**30
-GPU_BACKENDS = ("auto", "nvidia-smi", "amd-smi", "rocm-smi", "sysfs", "none")
 # operstate values (RFC 2863) that mean the link carries no traffic; "unknown" and "dormant" are left out, as
 # some drivers report them for healthy links
 LINK_DOWN_STATES = frozenset({"down", "lowerlayerdown", "notpresent"})
 ABSENT = "absent"  # the state of an interface or port whose sysfs directory is gone
-
-
-@dataclass
-class ProbeConfig:
-    """What the probes watch and how they read it (the `[probes]` table of a policy file)."""
-
-    root: str = "/"  # prefix of every sysfs path; the storage directories are real paths, not under it
-    gpu: str = "auto"  # one of GPU_BACKENDS
-    nvidia_smi: list[str] = field(default_factory=lambda: ["nvidia-smi"])  # the command; NVIDIA_SMI_ARGS follow
-    amd_smi: list[str] = field(default_factory=lambda: ["amd-smi"])  # the command; AMD_SMI_ARGS follow
-    # Interfaces to watch: network interfaces (eth0, ib0), InfiniBand devices (mlx5_0: all their ports) or
-    # ports (mlx5_0/1). Empty: every InfiniBand port and every network interface backed by a device (one with
-    # a `device` link in sysfs), which leaves out lo, bridges, veth pairs, docker0 and the like; a bond or a
-    # VLAN is watched only when named here.
-    nics: list[str] = field(default_factory=list)
-    storage: list[str] = field(default_factory=list)  # directories whose filesystem's free space is watched
-    # Below this much free space a checkpoint save is at risk; the default leaves room for a small model's
-    # checkpoint and the logs, a large run should set it above the size of one checkpoint.
-    min_free_bytes: int = 10 * GIB
-    command_timeout_s: float = 10.0
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str) -> ProbeConfig:
-        """Build from the `[probes]` table of the file `where`, refusing unknown keys and wrong types."""
-        if not isinstance(data, dict):
-            raise ZayaError(f"{where}: 'probes' must be a table, got {type(data).__name__}")
-        unknown = sorted(set(data) - set(_CHECKS))
-        if unknown:
-            raise ZayaError(f"{where}: unknown key 'probes.{unknown[0]}'")
-        _check_fields(data, where)
-        values = {key: list(value) if isinstance(value, list) else value for key, value in data.items()}
-        if "command_timeout_s" in values:
-            values["command_timeout_s"] = float(values["command_timeout_s"])
-        return cls(**values)
-
-    def validate(self, where: str = "probe config") -> None:
-        """Refuse a field of the wrong type or out of range (a config built in code rather than from a file)."""
-        _check_fields({key: getattr(self, key) for key in _CHECKS}, where)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_strings(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(item, str) for item in value)
-
-
-# every ProbeConfig field: a test of its value and what the value must be
-_CHECKS = {
-    "root": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
-    "gpu": (lambda v: isinstance(v, str) and v in GPU_BACKENDS, f"one of {', '.join(GPU_BACKENDS)}"),
-    "nvidia_smi": (lambda v: _is_strings(v) and len(v) > 0, "a non-empty list of strings (the command)"),
-    "amd_smi": (lambda v: _is_strings(v) and len(v) > 0, "a non-empty list of strings (the command)"),
-    "nics": (_is_strings, "a list of strings"),
-    "storage": (_is_strings, "a list of strings"),
-    "min_free_bytes": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
-    "command_timeout_s": (lambda v: _is_number(v) and v > 0, "a positive number"),
-}
-
-
-def _check_fields(values: dict[str, Any], where: str) -> None:
-    for key, value in values.items():
-        accepts, expected = _CHECKS[key]
-        if not accepts(value):
-            raise ZayaError(f"{where}: 'probes.{key}' must be {expected}, got {value!r}")
 
 
 class Probe(Protocol):
@@ -146,22 +54,6 @@ class Probe(Protocol):
 
     def poll(self) -> list[Finding]:
         """Read the hardware once and return what changed since the previous poll."""
-
-
-# ---- reading ---------------------------------------------------------------------------------------------
-
-# Only the NIC probe reads integers; the helpers both probes use are in zaya.resilience.gpu_probe, which this
-# module imports and which therefore cannot import them from here.
-
-
-def _read_int(path: Path) -> int | None:
-    text = _read(path)
-    if text is None:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise _ReadError(f"{path}: expected an integer, got {text[:40]!r}") from None
 
 
 # ---- network ---------------------------------------------------------------------------------------------
@@ -238,8 +130,8 @@ class NicProbe:
         base = self._net / name
         operstate_path = base / "operstate"
         try:
-            operstate = _read(operstate_path)
-        except _ReadError as exc:
+            operstate = read_text(operstate_path)
+        except ReadError as exc:
             errors.append(str(exc))
             return []
         state = ABSENT if operstate is None else operstate.lower()
@@ -248,17 +140,17 @@ class NicProbe:
         if down and (link is None or not link.down):
             was = "at the first poll" if link is None else "after being up"
             if state == ABSENT:
-                line = f"{_shown(self._root, base)}: no such interface"
+                line = f"{shown(self._root, base)}: no such interface"
             else:
-                line = f"{_shown(self._root, operstate_path)}: {operstate}"
+                line = f"{shown(self._root, operstate_path)}: {operstate}"
             findings.append(Finding("nic", f"nic:{name}", line, f"{name} is {state} {was}"))
         if link is None:
             link = self._links[name] = _LinkState(down)
         link.down = down
         changes_path = base / "carrier_changes"
         try:
-            changes = _read_int(changes_path)
-        except _ReadError as exc:
+            changes = read_int(changes_path)
+        except ReadError as exc:
             errors.append(str(exc))
             changes = None
         if changes is None:
@@ -268,7 +160,7 @@ class NicProbe:
         if before is not None and changes > before:
             link.flaps += changes - before
             findings.append(Finding(
-                "nic_flap", f"nic:{name}", f"{_shown(self._root, changes_path)}: {changes}",
+                "nic_flap", f"nic:{name}", f"{shown(self._root, changes_path)}: {changes}",
                 f"{name}'s carrier changed {changes - before} times since the previous poll, {link.flaps} since the "
                 "probe started", link.flaps,
             ))  # fmt: skip
@@ -279,8 +171,8 @@ class NicProbe:
         base = self._ib / device / "ports" / number
         state_path = base / "state"
         try:
-            text = _read(state_path)  # "4: ACTIVE", "1: DOWN", "2: INIT", "3: ARMED"
-        except _ReadError as exc:
+            text = read_text(state_path)  # "4: ACTIVE", "1: DOWN", "2: INIT", "3: ARMED"
+        except ReadError as exc:
             errors.append(str(exc))
             return []
         state_name = ABSENT if text is None else text.rpartition(":")[2].strip().upper()
@@ -289,9 +181,9 @@ class NicProbe:
         lines, details, count = [], [], 1
         if not active and (known is None or known.active):
             if text is None:
-                lines.append(f"{_shown(self._root, base)}: no such port")
+                lines.append(f"{shown(self._root, base)}: no such port")
             else:
-                lines.append(f"{_shown(self._root, state_path)}: {text}")
+                lines.append(f"{shown(self._root, state_path)}: {text}")
             was = "at the first poll" if known is None else "after being ACTIVE"
             details.append(f"{device} port {number} is {state_name} {was}")
         if known is None:
@@ -299,8 +191,8 @@ class NicProbe:
         known.active = active
         downed_path = base / "counters/link_downed"
         try:
-            downed = _read_int(downed_path)
-        except _ReadError as exc:
+            downed = read_int(downed_path)
+        except ReadError as exc:
             errors.append(str(exc))
             downed = None
         if downed is not None:
@@ -308,7 +200,7 @@ class NicProbe:
             # the counter is 8 bits wide and saturates; a drop means it was cleared, which starts a new baseline
             if before is not None and downed > before:
                 count = downed - before
-                lines.append(f"{_shown(self._root, downed_path)}: {downed}")
+                lines.append(f"{shown(self._root, downed_path)}: {downed}")
                 details.append(f"{device} port {number}'s link went down {count} times since the previous poll")
         if not lines:
             return []

@@ -43,13 +43,20 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from zaya.device import visible_devices, visible_devices_env
-from zaya.errors import ZayaError
-from zaya.resilience import faults, heartbeat, incidents
-from zaya.resilience import policy as policy_module
+from zaya.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_EXHAUSTED,
+    EXIT_NO_PROGRESS,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_STOPPED,
+    STOPPED_LINE,
+)
 from zaya.resilience.command import WorkerCommand
 from zaya.resilience.diagnose import classify_lines
 from zaya.resilience.findings import Finding
@@ -58,13 +65,9 @@ from zaya.resilience.incidents import IncidentLog
 from zaya.resilience.policy import TRAINING_ACTIONS, Policy
 from zaya.resilience.probes import build_probes
 from zaya.resilience.processes import descendants, process_state, signal_all
-from zaya.train.preemption import EXIT_PREEMPTED, STOPPED_LINE
+from zaya.resilience.supervision import Supervision
+from zaya.run_dir import INCIDENTS_FILE, SUPERVISOR_DIR
 
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2
-EXIT_NO_PROGRESS = 3
-EXIT_STOPPED = 4
-EXIT_EXHAUSTED = 5
 CORDON_FILE = "cordon.json"
 LOG_TAIL = 5000  # lines of a run's output kept for the classifier
 
@@ -81,17 +84,17 @@ class Outcome:
 class Supervisor:
     """Runs `command` until it finishes, recovering from what `policy` says it may recover from."""
 
-    def __init__(self, command: list[str], policy: Policy, state_dir: Path, *, node: str | None = None,
-                 policy_file: Path | None = None, say=print):
+    def __init__(self, command: list[str], policy: Policy, state_dir: Path, *, environ: Mapping[str, str],
+                 node: str | None = None, policy_file: Path | None = None, say=print):
         self.command = WorkerCommand(command)
         self.policy = policy
         self.policy_file = policy_file
         self.state_dir = Path(state_dir)
         self.node = node or socket.gethostname()
         self.say = say
-        self.incidents = IncidentLog(self.state_dir / incidents.FILE)
+        self.incidents = IncidentLog(self.state_dir / INCIDENTS_FILE)
         self.probes = build_probes(policy.probes)
-        self.base_env = dict(os.environ)
+        self.base_env = dict(environ)  # what the group inherits, with the supervision settings on top
         nproc = self.command.nproc_per_node()
         self.gpus = visible_devices(self.base_env) or (list(range(nproc)) if nproc else [])
         self.nodes = self.command.nnodes()[1]
@@ -139,10 +142,9 @@ class Supervisor:
         shutil.rmtree(beats, ignore_errors=True)  # a state dir used before: its old beats would look hung
         log_path = self.state_dir / "logs" / self.node / f"run-{self.attempt}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**self.base_env, heartbeat.ENV: str(beats), incidents.ENV: str(self.incidents.path),
-               faults.RUN_ENV: str(self.attempt)}
-        if self.policy_file is not None:
-            env[policy_module.ENV] = str(Path(self.policy_file).resolve())
+        supervision = Supervision(heartbeat_dir=beats, incidents_file=self.incidents.path,
+                                  policy_file=self.policy_file, run_attempt=self.attempt)
+        env = {**self.base_env, **supervision.environ()}
         if self.gpus and gpus != self.gpus:
             env.update(visible_devices_env(gpus))
         self.say(f"run {self.attempt}: {' '.join(argv)}")
@@ -384,20 +386,17 @@ def default_state_dir(command: list[str]) -> Path:
     """RUN_DIR/supervisor when the command names `--run-dir RUN_DIR`, else ./supervisor."""
     for index, arg in enumerate(command):
         if arg == "--run-dir" and index + 1 < len(command):
-            return Path(command[index + 1]) / "supervisor"
+            return Path(command[index + 1]) / SUPERVISOR_DIR
         if arg.startswith("--run-dir="):
-            return Path(arg.split("=", 1)[1]) / "supervisor"
-    return Path("supervisor")
+            return Path(arg.split("=", 1)[1]) / SUPERVISOR_DIR
+    return Path(SUPERVISOR_DIR)
 
 
-def supervise(command: list[str], policy_file: Path | None = None, state_dir: Path | None = None,
-              node: str | None = None) -> int:
+def supervise(command: list[str], policy_file: Path | None, state_dir: Path | None, node: str | None, *,
+              environ: Mapping[str, str]) -> int:
     """What `zaya supervise` does: load the policy, check the command, supervise; returns the exit code."""
     policy = Policy.load(policy_file)
-    supervisor = Supervisor(command, policy, state_dir or default_state_dir(command), node=node,
-                            policy_file=policy_file)
+    supervisor = Supervisor(command, policy, state_dir or default_state_dir(command), environ=dict(environ),
+                            node=node, policy_file=policy_file)
     return supervisor.run()
 
-
-__all__ = ["EXIT_BAD_INPUT", "EXIT_EXHAUSTED", "EXIT_NO_PROGRESS", "EXIT_OK", "EXIT_PREEMPTED", "EXIT_STOPPED",
-           "Supervisor", "ZayaError", "supervise"]

@@ -13,16 +13,15 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
 
-if TYPE_CHECKING:
-    from zaya.train.wandb_sink import WandbSink
+from zaya.run_dir import METRICS_FILE, TENSORBOARD_DIR
 
-METRICS_FILE = "metrics.jsonl"
 # the seconds bar: no rate (it would read "1.00s/s"); the step goes in the postfix
 SECONDS_BAR = "{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]"
 
@@ -56,13 +55,23 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+class Sink(Protocol):
+    """Where metrics rows also go (`zaya.train.wandb_sink.WandbSink`)."""
+
+    def log(self, row: dict[str, Any]) -> bool: ...
+
+    def log_images(self, images: dict[str, Path]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsLogger:
     """Writes metric rows to `metrics.jsonl`, TensorBoard and the sink (rank 0 only) and drives the progress bar.
 
     `sink` (a WandbSink, or None) is owned from here on: `close()` closes it."""
 
     def __init__(self, run_dir: Path, *, start_step: int, total_steps: int, tensorboard: bool, progress: bool,
-                 enabled: bool = True, sink: WandbSink | None = None, progress_seconds: float = 0.0,
+                 enabled: bool = True, sink: Sink | None = None, progress_seconds: float = 0.0,
                  seconds_done: float = 0.0):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
@@ -78,7 +87,7 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+            self._writer = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
         if progress and self._seconds:
             self._bar = tqdm(total=progress_seconds, initial=min(seconds_done, progress_seconds), unit="s",
                              bar_format=SECONDS_BAR, dynamic_ncols=True, disable=None, leave=True)
@@ -125,23 +134,20 @@ class MetricsLogger:
         else:
             tqdm.write(text)
 
-    def finish(self, run_dir: Path | None = None) -> None:
-        """At the end of a run: the report's plots (zaya.report, written to RUN_DIR/report) to the sink, as
-        images. Needs matplotlib; a failure to plot is reported in one line and never fails the run."""
+    def finish(self, plots: Callable[[], dict[str, Path]]) -> None:
+        """At the end of a run: the report's plots (`plots()`, name -> PNG, made only with a sink) to the sink, as
+        images. A failure to plot (matplotlib missing, say) is reported in one line and never fails the run."""
         if not self.enabled or self._sink is None:
             return
         try:
-            import matplotlib  # noqa: F401  (the report's plots need it)
-        except ImportError:
-            self.message("W&B: no report plots (matplotlib is not installed: pip install 'zaya-stack[report]')")
+            images = plots()
+        except ImportError as exc:
+            self.message(f"W&B: no report plots ({exc})")
             return
-        try:
-            from zaya.report.report import build_report
-
-            figures = build_report(run_dir or self.run_dir).figures
-            self._sink.log_images({path.stem: path for path in figures})
         except Exception as exc:  # the run itself is done and saved: a plot must not fail it
             self.message(f"W&B: the report plots failed ({type(exc).__name__}: {exc}); training is unaffected")
+            return
+        self._sink.log_images(images)
 
     def close(self) -> None:
         """Close the bar, TensorBoard, the log and the sink (which marks its run failed if an exception is being

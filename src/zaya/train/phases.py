@@ -1,65 +1,108 @@
-"""The curriculum's phases as the trainer runs them: each phase's mesh (its context-parallel size), the split
-of its sequences over a cp group, and the switch to the next phase.
+"""The curriculum's phases as the trainer runs them: the current phase's loader, RoPE base, FLOPs per token and
+split of its sequences over a cp group, all set in one place (`Curriculum.enter`), whether the run starts,
+resumes, rolls back or moves on to the next phase.
 
-A phase of another `cp` needs another mesh: at its boundary the trainer commits a checkpoint, builds the
-model, optimizer and loader again on the new mesh and loads that checkpoint into them (a checkpoint loads on
-any mesh). Part of `Trainer` (a mixin, like `zaya.train.signals`), kept apart so the training loop stays short.
+A phase ends once its token budget is spent. A phase of another `cp` needs another mesh: at its boundary the
+trainer commits a checkpoint, builds the model, optimizer and loader again on the new mesh and loads that
+checkpoint into them (a checkpoint loads on any mesh).
 """
 
 from __future__ import annotations
 
-import dataclasses
+from pathlib import Path
 
 import torch
 
-from zaya.config import Phase
+from zaya.data.loader import TokenLoader
 from zaya.errors import ZayaError
 from zaya.model.flops import training_flops_per_token
 from zaya.model.loss import IGNORE_INDEX
-from zaya.model.transformer import RouterStats
+from zaya.model.transformer import RouterStats, Zaya
 from zaya.parallel.context import ContextParallel, SequenceLayout
-from zaya.parallel.mesh import ParallelConfig
+from zaya.parallel.mesh import ParallelContext
+from zaya.train.checkpointing import Progress
+from zaya.train.config import Phase
+from zaya.train.run import ResolvedRun
 
 
-class TrainingPhases:
-    """Phases, their meshes and their sequence splits."""
+class Curriculum:
+    """The phases of `run` and the one being trained (see the module docstring). `resume_from` names the
+    checkpoint a loader state came from, for messages; `allow_data_change` lets a resume go on in another order."""
 
-    def _parallel_config(self, phase: Phase) -> ParallelConfig:
-        """`[parallel]` with the phase's context-parallel size."""
-        return dataclasses.replace(self.config.parallel, cp=phase.cp)
+    def __init__(self, run: ResolvedRun, *, allow_data_change: bool = False, resume_from: Path | None = None):
+        self.run, self.allow_data_change, self.resume_from = run, allow_data_change, resume_from
+        self.loader: TokenLoader | None = None
+        self.loader_phase = -1  # the phase the loader reads for
+        self.tokenizer: Path | None = None  # the current phase's tokenizer.json, which checkpoints carry
+        self.sequence: ContextParallel | None = None  # the cp split of the current phase (None: unsplit)
+        self.flops_per_token = 0.0
 
-    def _check_phase_meshes(self, ramp) -> None:
-        """Every phase's mesh fits the job: its batches split over its data-parallel ranks, its sequences into
-        its cp chunks."""
-        train, where = self.config.train, self.config.source
-        for index, phase in enumerate(self.phases):
-            replicate, shard, cp = self._parallel_config(phase).shape(self.launch.world_size, where)
-            for size in ramp.sizes():
-                if size % (replicate * shard):
-                    key = "train.global_batch_size" if size == train.global_batch_size else "data.ramp_start"
-                    raise ZayaError(f"{where}: key '{key}': a global batch of {size} sequences does not split "
-                                    f"evenly over the {replicate * shard} data-parallel ranks (parallel.dp_replicate "
-                                    f"x dp_shard, with cp = {cp})")
-            if cp > 1:
-                key = f"phases.{index}.seq_len" if self.config.phases and self.config.phases[index].seq_len \
-                    else "data.seq_len"
-                layout = SequenceLayout(phase.seq_len, cp, self.config.parallel.cp_sharding)
-                problem = layout.check(min_chunk=self.model_config.conv_padding)
-                if problem:
-                    raise ZayaError(f"{where}: key '{key}' = {phase.seq_len} with parallel.cp = {cp} "
-                                    f"({self.config.parallel.cp_sharding} sharding): {problem}")
+    def phase(self, progress: Progress) -> Phase:
+        return self.run.phases[progress.phase]
 
-    def _sequence(self, phase: Phase) -> ContextParallel | None:
+    def enter(self, progress: Progress, model: Zaya, parallel: ParallelContext) -> None:
+        """Set everything that follows from the current phase: its loader (where the run left it), its RoPE base,
+        its FLOPs per token and its split of sequences."""
+        phase = self.phase(progress)
+        self.close()
+        self.loader = self._loader(progress, parallel)
+        if phase.rope_theta:
+            model.set_rope_theta(phase.rope_theta)
+        self.flops_per_token = training_flops_per_token(self.run.model, phase.seq_len)
+        self.sequence = self._sequence(phase, parallel)
+
+    def _loader(self, progress: Progress, parallel: ParallelContext) -> TokenLoader:
+        phase, data = self.phase(progress), self.run.data
+        loader = TokenLoader([(s.path, s.weight) for s in phase.sources], phase.seq_len, self.run.train.seed,
+                             rank=parallel.dp_rank, world_size=parallel.dp_size, block_size=data.block_size,
+                             group_blocks=data.group_blocks)
+        saved = progress.loaders.get(phase.name)
+        if saved is not None:
+            try:
+                loader.load_state_dict(saved)
+            except ZayaError as error:
+                if not self.allow_data_change:
+                    loader.close()
+                    raise ZayaError(f"{self.resume_from}: {error}; pass --allow-data-change to continue in this "
+                                    "config's order") from None
+                loader.load_state_dict({**loader.state_dict(), "consumed_samples": saved["consumed_samples"],
+                                        "skip_ranges": saved.get("skip_ranges", [])})
+        progress.fingerprints[phase.name] = [d.fingerprint for d in loader.datasets]
+        self.loader_phase, self.tokenizer = progress.phase, loader.datasets[0].tokenizer_path
+        return loader
+
+    def _sequence(self, phase: Phase, parallel: ParallelContext) -> ContextParallel | None:
         """The phase's context-parallel split of every sequence over this rank's cp group (None: unsplit)."""
-        if self.parallel.cp_size == 1:
+        if parallel.cp_size == 1:
             return None
-        if phase.cp != self.parallel.cp_size:
-            raise ZayaError(f"phase '{phase.name}' needs cp = {phase.cp}, the mesh has {self.parallel.cp_size}")
-        layout = SequenceLayout(phase.seq_len, phase.cp, self.config.parallel.cp_sharding)
-        return ContextParallel(layout, self.parallel.cp_group, self.config.parallel.cp_kernel,
-                               self.parallel.counter)
+        if phase.cp != parallel.cp_size:
+            raise ZayaError(f"phase '{phase.name}' needs cp = {phase.cp}, the mesh has {parallel.cp_size}")
+        layout = SequenceLayout(phase.seq_len, phase.cp, self.run.parallel.cp_sharding)
+        return ContextParallel(layout, parallel.cp_group, self.run.parallel.cp_kernel, parallel.counter)
 
-    def _micro_loss(self, micro: torch.Tensor, stats: RouterStats | None) -> tuple[torch.Tensor, float]:
+    def keep_loader_state(self, progress: Progress) -> None:
+        """Put the loader's position into the progress (what a checkpoint saves), unless the loader is still the
+        previous phase's (at a move to a new mesh, between the phases' loaders)."""
+        if self.loader is not None and self.loader_phase == progress.phase:
+            progress.loaders[self.phase(progress).name] = self.loader.state_dict()
+
+    def done_with(self, progress: Progress) -> bool:
+        """Whether the current phase's token budget is spent and another phase follows."""
+        phase = self.phase(progress)
+        return bool(phase.tokens) and progress.phase_tokens >= phase.tokens and progress.phase + 1 < len(
+            self.run.phases)
+
+    def advance(self, progress: Progress) -> bool:
+        """Leave the current phase for the next, keeping the loader's position; returns whether the next one
+        needs another mesh (its cp differs). The caller then enters it (on the new mesh, if so)."""
+        before = self.phase(progress)
+        self.keep_loader_state(progress)
+        self.close()
+        progress.phase += 1
+        progress.phase_tokens = 0
+        return self.phase(progress).cp != before.cp
+
+    def micro_loss(self, model: Zaya, micro: torch.Tensor, stats: RouterStats | None) -> tuple[torch.Tensor, float]:
         """The next-token loss of the micro-batch `micro` [b, seq_len + 1], and the factor its gradient needs.
 
         Split over a cp group, each rank's loss is its part of the micro-batch's mean (its tokens' summed
@@ -68,44 +111,14 @@ class TrainingPhases:
         inputs, targets = micro[:, :-1], micro[:, 1:]
         cp = self.sequence
         if cp is None:
-            return self.model.loss(inputs, targets, router_stats=stats), 1.0
+            return model.loss(inputs, targets, router_stats=stats), 1.0
         valid = targets != IGNORE_INDEX
         inputs, targets = cp.shard(inputs), cp.shard(targets)
         share = (targets != IGNORE_INDEX).sum() / valid.sum().clamp_min(1)
-        loss = self.model.loss(inputs, targets, router_stats=stats, sequence=cp,
-                               positions=cp.positions(micro.device))
+        loss = model.loss(inputs, targets, router_stats=stats, sequence=cp, positions=cp.positions(micro.device))
         return loss * share, float(cp.size)
 
-    def _maybe_switch_phase(self) -> None:
-        phase = self.phases[self.state.phase]
-        if phase.tokens and self.state.phase_tokens >= phase.tokens and self.state.phase + 1 < len(self.phases):
-            self.state.loaders[phase.name] = self.loader.state_dict()
+    def close(self) -> None:
+        if self.loader is not None:
             self.loader.close()
-            self.state.phase += 1
-            self.state.phase_tokens = 0
-            nxt = self.phases[self.state.phase]
-            self._say(f"step {self.state.step}: phase '{phase.name}' done after {self.state.tokens:,} tokens; "
-                      f"starting '{nxt.name}' (seq_len {nxt.seq_len}"
-                      f"{f', rope_theta {nxt.rope_theta:g}' if nxt.rope_theta else ''}"
-                      f"{f', cp {nxt.cp}' if nxt.cp != phase.cp else ''})")
-            if nxt.cp != phase.cp:
-                self._remesh(nxt)
-            else:
-                self.loader = self._loader(self.state.phase)
-                self.sequence = self._sequence(nxt)
-            if nxt.rope_theta:
-                self.model.set_rope_theta(nxt.rope_theta)
-            self.flops_per_token = training_flops_per_token(self.model_config, nxt.seq_len)
-
-    def _remesh(self, phase: Phase) -> None:
-        """Start `phase`, whose cp size differs, on a new mesh: commit a checkpoint at the boundary, then
-        build the model, optimizer and loader again on the new mesh and load that checkpoint into them (a
-        checkpoint loads on any mesh)."""
-        self._say(f"step {self.state.step}: phase '{phase.name}' runs with cp = {phase.cp}: checkpointing and "
-                  "moving to a new mesh")
-        self.save()
-        self.manager.wait()
-        self.resume_from = self.manager.newest_valid(log=self._say)
-        self.start_phase = self.state.phase
-        self._build()
-        self._say(f"step {self.state.step}: now on {self.parallel.describe()}")
+            self.loader = None

@@ -1,7 +1,9 @@
 """Weights & Biases as an optional sink of the metrics rows (`logging.wandb = true`; the `wandb` extra).
 
 One W&B run per run directory: its id is kept in RUN_DIR/wandb-id.txt and every start (a resume, a roll-back)
-continues it with `resume="allow"`; W&B writes under RUN_DIR/wandb. The run's config is `RunConfig.to_dict()`.
+continues it with `resume="allow"`; W&B writes under RUN_DIR/wandb. The run's config is the run config as
+resolved (what run_config.json holds). The mode (online, offline, disabled) is `logging.wandb_mode`, else the
+`WANDB_MODE` the `zaya` command was started with, else online.
 
 Each metrics row is logged at `step=row["step"]`, so W&B's own step is the training step:
 
@@ -32,36 +34,37 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from zaya.config import RunConfig
 from zaya.errors import ZayaError
+from zaya.run_dir import WANDB_ID_FILE
+from zaya.train.config import LoggingSection
 from zaya.train.metrics import read_metrics
 
-ID_FILE = "wandb-id.txt"
 PER_RANK = frozenset({"peak_memory_bytes", "comm_bytes", "host_time"})
 LEFT_OUT = frozenset({"step", "time"})
 IMAGE_PREFIX = "report/"
 
 
-def import_wandb(config: RunConfig) -> Any:
-    """The `wandb` module, or a one-line ZayaError saying how to get it (or to switch it off)."""
+def import_wandb(source: str = "") -> Any:
+    """The `wandb` module, or a one-line ZayaError (naming the config `source`) saying how to get it (or to
+    switch it off)."""
     try:
         import wandb
     except ImportError:
-        where = f"{config.source}: " if config.source else ""
+        where = f"{source}: " if source else ""
         raise ZayaError(f"{where}logging.wandb = true needs the wandb package: pip install 'zaya-stack[wandb]', "
                         "or set logging.wandb = false") from None
     return wandb
 
 
-def check_wandb(config: RunConfig) -> None:
+def check_wandb(logging: LoggingSection, source: str = "") -> None:
     """Fail before anything starts if the config asks for W&B and it cannot be imported."""
-    if config.logging.wandb:
-        import_wandb(config)
+    if logging.wandb:
+        import_wandb(source)
 
 
-def wandb_mode(config: RunConfig) -> str:
-    """logging.wandb_mode, else WANDB_MODE, else "online"."""
-    return config.logging.wandb_mode or os.environ.get("WANDB_MODE", "") or "online"
+def wandb_mode(logging: LoggingSection, environ_mode: str = "") -> str:
+    """logging.wandb_mode, else the environment's WANDB_MODE (`environ_mode`), else "online"."""
+    return logging.wandb_mode or environ_mode or "online"
 
 
 class WandbSink:
@@ -131,7 +134,7 @@ def wandb_row(row: dict[str, Any], wandb: Any) -> dict[str, Any]:
 
 def run_id(run_dir: Path) -> str:
     """The run directory's W&B run id, made and saved (atomically) on first use."""
-    path = Path(run_dir) / ID_FILE
+    path = Path(run_dir) / WANDB_ID_FILE
     if path.is_file():
         saved = path.read_text(encoding="utf-8").strip()
         if not saved or any(c in saved for c in "/\\#?%: \t"):
@@ -147,14 +150,14 @@ def run_id(run_dir: Path) -> str:
     return new
 
 
-def open_wandb(run_dir: Path, config: RunConfig, start_step: int) -> WandbSink | None:
-    """The W&B sink of a run that starts (or resumes) at `start_step`, or None without `logging.wandb` (or in
-    mode "disabled"). Call it on rank 0 only. Raises a one-line ZayaError if wandb is missing or its init fails."""
-    logging = config.logging
+def open_wandb(run_dir: Path, logging: LoggingSection, record: dict, start_step: int,
+               mode: str = "online") -> WandbSink | None:
+    """The W&B sink of a run that starts (or resumes) at `start_step`, with the run config `record`, or None
+    without `logging.wandb` (or in `mode` "disabled", `wandb_mode`'s answer). Call it on rank 0 only. Raises a
+    one-line ZayaError if wandb is missing or its init fails."""
     if not logging.wandb:
         return None
-    wandb = import_wandb(config)
-    mode = wandb_mode(config)
+    wandb = import_wandb()
     if mode == "disabled":
         return None
     run_dir = Path(run_dir)
@@ -163,7 +166,7 @@ def open_wandb(run_dir: Path, config: RunConfig, start_step: int) -> WandbSink |
     try:
         # create_new: leave any W&B run of the caller's alone (no global run is set or finished)
         run = wandb.init(project=logging.wandb_project, name=logging.wandb_name or run_dir.resolve().name,
-                         id=identity, resume="allow", config=config.to_dict(), allow_val_change=True,
+                         id=identity, resume="allow", config=record, allow_val_change=True,
                          dir=str(run_dir), mode=mode, reinit="create_new")
     except wandb.errors.Error as exc:
         message = " ".join(str(exc).split())

@@ -1,4 +1,7 @@
-"""What a training checkpoint's tensors are, and how they go in and out on any number of ranks.
+"""What a training checkpoint holds, and how its tensors go in and out on any number of ranks.
+
+The run's progress (`Progress`) and the stop rules' clock are JSON in train_state.json, beside the optimizer's
+skeleton and the run config as resolved. The tensors:
 
     model        the model's state dict from `torch.distributed.checkpoint.state_dict.get_state_dict`:
                  parameter names (FQNs) as keys, and under FSDP2 DTensor shards, so that each rank writes
@@ -15,15 +18,43 @@ HSDP -> FSDP).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from zaya import checkpoint as ckpt
 from zaya.errors import ZayaError
-from zaya.train import checkpoint as ckpt
 from zaya.train.balance import ControllerState
+
+
+@dataclass
+class Progress:
+    """How far the run is: the non-tensor state every step moves on."""
+
+    step: int = 0
+    phase: int = 0
+    phase_tokens: int = 0  # tokens trained in the current phase
+    tokens: int = 0  # tokens trained in all
+    samples: int = 0  # sequences trained in all: the batch ramp's clock
+    loaders: dict[str, dict] = field(default_factory=dict)  # loader state per phase name
+    fingerprints: dict[str, list[str]] = field(default_factory=dict)  # data fingerprints per phase name
+
+
+def train_state(progress: Progress, clock: Any, skeleton: Any, record: dict) -> dict:
+    """train_state.json: the progress and the clock side by side under "state", the optimizer's skeleton, and the
+    run config as resolved."""
+    return {"state": {**dataclasses.asdict(progress), **dataclasses.asdict(clock)}, "optimizer": skeleton,
+            "config": record}
+
+
+def read_state(state: dict, kind: type) -> Any:
+    """The `kind` (Progress, or the stop rules' Clock) of a train_state.json's "state" (fields it lacks: defaults)."""
+    names = {f.name for f in dataclasses.fields(kind)}
+    return kind(**{key: value for key, value in state.items() if key in names})
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, controller_state: ControllerState

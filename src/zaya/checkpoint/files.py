@@ -1,5 +1,14 @@
 """The files of a checkpoint directory, and how they are read and checked without trusting them.
 
+    step_00000100/
+        .metadata, __R_*.distcp      torch.distributed.checkpoint: every rank writes its own shards
+        zaya.json                    format, version, model config, dtype, precision, world size
+        train_state.json             step, phase, consumed samples, data fingerprints, loader and optimizer
+                                     settings: every non-tensor piece of state, as JSON
+        rng.rankR.json               each rank's random-number-generator states
+        manifest.rankR.json          each rank's files with their sizes and CRC-32 checksums
+        tokenizer.json               optional, so that the checkpoint can generate text on its own
+
 - `.metadata` is DCP's index, a pickle: it is read by an unpickler that admits only the checkpoint-metadata
   types, and entries that DCP would unpickle (non-tensor "bytes" items) are refused (`read_metadata`,
   `SafeReader` for `dcp.load`).
@@ -26,8 +35,20 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from zaya.errors import ZayaError
 
-CONFIG_FILE = "zaya.json"
+FORMAT = "zaya-checkpoint"
+# 2: optimizer state keyed by parameter name (any world size resumes it); 1: by parameter index. The model
+# weights of both load alike.
+VERSION = 2
+MODEL_VERSIONS = (1, 2)
+INFO_FILE = "zaya.json"
 METADATA_FILE = ".metadata"
+TRAIN_STATE_FILE = "train_state.json"
+LATEST_FILE = "latest"
+
+
+def is_checkpoint(directory: Path) -> bool:
+    """Whether `directory` holds a checkpoint (its info file and DCP's index), committed or not."""
+    return (Path(directory) / INFO_FILE).is_file() and (Path(directory) / METADATA_FILE).is_file()
 
 
 # ---- a .metadata reader that cannot run code ----------------------------------------------------------
@@ -115,7 +136,7 @@ def write_manifest(directory: Path, rank: int, names: Iterable[str]) -> None:
 def verify_checkpoint(directory: Path) -> None:
     """Raise `ZayaError` naming the first manifest or file that is missing, truncated or altered."""
     directory = Path(directory)
-    info = read_json(directory / CONFIG_FILE)
+    info = read_json(directory / INFO_FILE)
     world_size = info.get("world_size", 1)
     for rank in range(world_size):
         manifest_path = directory / manifest_name(rank)

@@ -1,31 +1,17 @@
-"""The project's checkpoint format and its commit protocol (system design section 6).
-
-A checkpoint is a directory:
-
-    step_00000100/
-        .metadata, __R_*.distcp      torch.distributed.checkpoint: every rank writes its own shards
-        zaya.json                    format, version, model config, dtype, world size
-        train_state.json             step, phase, consumed samples, data fingerprints, loader and optimizer
-                                     settings: every non-tensor piece of state, as JSON
-        rng.rankR.json               each rank's random-number-generator states
-        manifest.rankR.json          each rank's files with their sizes and CRC-32 checksums
-        tokenizer.json               optional, so that the checkpoint can generate text on its own
+"""Training checkpoints and their commit protocol (system design section 6).
 
 Commit protocol: everything is written into a fresh `step_N.tmp/`; each rank records its manifest; after a
 barrier on a separate gloo control group, rank 0 fsyncs, renames the directory to `step_N/`, atomically
 replaces the `latest` pointer and only then deletes the checkpoints beyond the newest `keep`. Loading picks
 the newest checkpoint whose manifests validate; a bad one is renamed `*.bad`, never deleted.
 
-Loading never executes code from a checkpoint (`zaya.train.checkpoint_files`: DCP's pickled `.metadata`
-goes through an unpickler that admits only the checkpoint-metadata types); non-tensor state is JSON. What the
-tensors are, and how they reshard between world sizes, is `zaya.train.state`.
+The files of a checkpoint are listed in `zaya.checkpoint.files`; loading never executes code from one. What a
+training checkpoint's tensors are, and how they reshard between world sizes, is `zaya.train.checkpointing`.
 """
 
 from __future__ import annotations
 
-import base64
 import os
-import random
 import re
 import shutil
 import threading
@@ -40,150 +26,23 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from zaya.device import pinned_host_memory
-from zaya.errors import ZayaError
-from zaya.model.config import ZayaConfig
-from zaya.train.checkpoint_files import (
-    CONFIG_FILE,
-    METADATA_FILE,
-    SafeReader,
+from zaya.checkpoint.files import (
+    INFO_FILE,
+    LATEST_FILE,
+    TRAIN_STATE_FILE,
     fsync_dir,
-    read_json,
+    is_checkpoint,
     read_metadata,
     verify_checkpoint,
     write_json,
     write_manifest,
 )
+from zaya.checkpoint.tensors import dcp_save, rng_state
+from zaya.device import pinned_host_memory
+from zaya.errors import ZayaError
+from zaya.run_dir import CHECKPOINTS_DIR
 
-FORMAT = "zaya-checkpoint"
-# 2: optimizer state keyed by parameter name (any world size resumes it); 1: by parameter index. The model
-# weights of both load alike.
-VERSION = 2
-MODEL_VERSIONS = (1, 2)
-TRAIN_STATE_FILE = "train_state.json"
-LATEST_FILE = "latest"
 STEP_DIR = re.compile(r"step_(\d+)")
-
-
-# ---- random-number generators -------------------------------------------------------------------------
-
-
-def rng_state() -> dict:
-    """The torch (CPU and accelerator) and Python RNG states of this process, as JSON."""
-    state = {
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-        "python": _python_random_state(random.getstate()),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(
-            [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
-        )
-
-
-def _python_random_state(state: tuple) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-# ---- model-only checkpoints (`zaya convert`) ----------------------------------------------------------
-
-
-def is_checkpoint(directory: Path) -> bool:
-    return (Path(directory) / CONFIG_FILE).is_file() and (Path(directory) / METADATA_FILE).is_file()
-
-
-def read_checkpoint_config(directory: Path) -> tuple[ZayaConfig, dict]:
-    """The model config and the whole `zaya.json` of a checkpoint directory."""
-    path = Path(directory) / CONFIG_FILE
-    info = read_json(path)
-    if info.get("format") != FORMAT:
-        raise ZayaError(f"{path}: field 'format' must be '{FORMAT}'")
-    if info.get("version") not in MODEL_VERSIONS:
-        raise ZayaError(f"{path}: unsupported checkpoint version {info.get('version')!r} (this build reads "
-                        f"{', '.join(map(str, MODEL_VERSIONS))})")
-    return ZayaConfig.from_dict(info.get("model"), source=f"{path}: model"), info
-
-
-def _checkpoint_info(config: ZayaConfig, model: torch.nn.Module, world_size: int) -> dict:
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return {"format": FORMAT, "version": VERSION, "model": config.to_dict(), "dtype": dtype, "world_size": world_size}
-
-
-def save_model_checkpoint(
-    directory: Path, model: torch.nn.Module, config: ZayaConfig, extra_files: Iterable[Path] = ()
-) -> None:
-    """Write the model's weights as a complete single-process checkpoint into a fresh `directory`, atomically
-    (via `directory.tmp`). `extra_files` (a tokenizer, say) are copied in and covered by the manifest."""
-    directory = Path(directory)
-    if directory.exists():
-        raise ZayaError(f"{directory}: already exists; refusing to overwrite")
-    tmp = directory.with_name(directory.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        _dcp_save({"model": model.state_dict()}, tmp)
-        write_json(tmp / CONFIG_FILE, _checkpoint_info(config, model, world_size=1))
-        for extra in extra_files:
-            shutil.copyfile(extra, tmp / Path(extra).name)
-        write_manifest(tmp, 0, [p.name for p in tmp.iterdir() if p.is_file()])
-        os.replace(tmp, directory)
-        fsync_dir(directory.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def load_model_weights(directory: Path, model: torch.nn.Module) -> None:
-    """Fill `model` in place from the checkpoint's "model" entries, checking names and shapes first."""
-    state = {"model": model.state_dict()}
-    load_tensors(directory, state)
-    model.load_state_dict(state["model"])
-
-
-def load_tensors(directory: Path, state: dict, process_group=None) -> None:
-    """DCP-load the tensors of `state` (nested dicts of tensors, DTensors included, filled in place),
-    checking names and shapes first; in a multi-process job every rank calls it, with `process_group` for
-    DCP's own collectives."""
-    directory = Path(directory)
-    metadata = read_metadata(directory)
-    flat = _flatten(state)
-    missing = [key for key in flat if key not in metadata.state_dict_metadata]
-    if missing:
-        raise ZayaError(f"{directory}: checkpoint lacks tensor '{missing[0]}' ({len(missing)} missing in all)")
-    for key, tensor in flat.items():
-        stored = metadata.state_dict_metadata[key]
-        if tuple(stored.size) != tuple(tensor.shape):
-            raise ZayaError(f"{directory}: tensor '{key}' has shape {list(stored.size)}, expected {list(tensor.shape)}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=SafeReader(str(directory)), process_group=process_group)
-
-
-def _flatten(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    flat = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def _dcp_save(state: dict, directory: Path, process_group=None) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True),
-                 process_group=process_group)
 
 
 # ---- training checkpoints -----------------------------------------------------------------------------
@@ -294,7 +153,7 @@ class CheckpointManager:
             self._pending = threading.Thread(target=self._run_pending, args=(finish, future), daemon=True)
             self._pending.start()
         else:
-            _dcp_save(tensors, tmp, self.control_group)
+            dcp_save(tensors, tmp, self.control_group)
             finish(None)
 
     def _run_pending(self, finish: Callable[[Future | None], None], future: Future) -> None:
@@ -316,7 +175,7 @@ class CheckpointManager:
         write_json(tmp / f"rng.rank{self.rank}.json", rng_state())
         if self.rank == 0:
             write_json(tmp / TRAIN_STATE_FILE, train_state)
-            write_json(tmp / CONFIG_FILE, {**info, "world_size": self.world_size})
+            write_json(tmp / INFO_FILE, {**info, "world_size": self.world_size})
             for extra in extra_files:
                 shutil.copyfile(extra, tmp / Path(extra).name)
 
@@ -406,7 +265,7 @@ def resolve_checkpoint(path: Path) -> Path:
     path = Path(path)
     if is_checkpoint(path):
         return path
-    for root in (path / "checkpoints", path):
+    for root in (path / CHECKPOINTS_DIR, path):
         if (root / LATEST_FILE).is_file() or any(root.glob("step_*")):
             found = CheckpointManager(root, keep=1 << 30).newest_valid(log=lambda _msg: None)
             if found is not None:

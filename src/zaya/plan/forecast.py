@@ -9,42 +9,49 @@ The prediction never stops training: where it cannot be made, one line says why.
 
 from __future__ import annotations
 
-import os
 import statistics
+from pathlib import Path
 
 import torch
 
-from zaya.config import RunConfig
+from zaya.device import accelerator_name, device_label, device_memory_bytes, is_accelerator
 from zaya.errors import ZayaError
+from zaya.plan.devices import DeviceSpec, get_device, match_device
+from zaya.plan.planner import plan_run
+from zaya.train.run import ResolvedRun
 
 STEPS = 20  # measured steps before the comparison (the first is left out: it warms up)
 GB = 1e9
 
 
 class Forecast:
-    """The prediction for a run, and what the run measures against it."""
+    """The prediction for a run, and what the run measures against it: the trainer calls `start` once, then
+    `observe` with every step's metrics row."""
 
-    def __init__(self, plan, phase: int, note: str = "", on_cpu: bool = False) -> None:
-        self.plan, self.phase, self.note, self.on_cpu = plan, phase, note, on_cpu
+    def __init__(self, plan, note: str = "", on_cpu: bool = False, failure: str = "") -> None:
+        self.plan, self.note, self.on_cpu, self.failure = plan, note, on_cpu, failure
+        self.phase = 0
         self.rows: list[dict] = []
-        self.done = False
+        self.done = plan is None
 
     @classmethod
-    def start(cls, config: RunConfig, world_size: int, device: torch.device, phase: int) -> tuple[Forecast | None,
-                                                                                               str]:
-        """(the forecast, the startup message) for a run of `config` on `world_size` ranks of `device`."""
+    def for_run(cls, run: ResolvedRun, device: torch.device, gpus_per_node: int, table_path: Path) -> Forecast:
+        """The forecast of `run` on its ranks of `device`, `gpus_per_node` on a node; `table_path` is where
+        `zaya shapes` keeps this machine's table for the run's precision. A prediction that cannot be made is a
+        one-line note, never an error: it must not stop a run."""
         try:
-            spec, table, note = _target(config, device)
-            from zaya.plan.planner import plan_run
-
-            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            plan = plan_run(config, world_size, spec, table, min(per_node, world_size))
+            spec, table, note = _target(run, device, table_path)
+            plan = plan_run(run, spec, table, min(gpus_per_node, run.world_size))
         except ZayaError as exc:
-            return None, f"plan: no prediction ({exc})"
-        except Exception as exc:  # a prediction must never stop a run: a bug in it is reported, not raised
-            return None, f"plan: no prediction ({type(exc).__name__}: {exc})"
-        forecast = cls(plan, phase, note, device.type == "cpu")
-        return forecast, forecast.startup()
+            return cls(None, failure=f"plan: no prediction ({exc})")
+        except Exception as exc:  # a bug in the prediction is reported, not raised
+            return cls(None, failure=f"plan: no prediction ({type(exc).__name__}: {exc})")
+        return cls(plan, note, not is_accelerator(device))
+
+    def start(self, phase: int) -> str:
+        """The startup message, for a run that starts (or resumes) in `phase`."""
+        self.phase = phase
+        return self.failure or self.startup()
 
     def _phase(self):
         return self.plan.phases[min(self.phase, len(self.plan.phases) - 1)]
@@ -92,27 +99,23 @@ class Forecast:
         return text
 
 
-def _target(config: RunConfig, device: torch.device):
+def _target(run: ResolvedRun, device: torch.device, table_path: Path):
     """(DeviceSpec, measured table or None, note) for the device the run trains on."""
-    from zaya.device import device_label
-    from zaya.plan.devices import DeviceSpec, get_device, match_device
-    from zaya.plan.shapes import EfficiencyTable, default_table_path
+    from zaya.plan.table import EfficiencyTable
 
-    dtype = "bf16" if config.train.precision == "bf16" else "fp32"
-    path = default_table_path(dtype)
-    if path.is_file():
-        table = EfficiencyTable.load(path)
+    dtype = "bf16" if run.precision == "bf16" else "fp32"
+    if table_path.is_file():
+        table = EfficiencyTable.load(table_path)
         if table.device.split(":")[0] == device.type:
-            ns = "bf16" if config.optim.ns_dtype in ("bfloat16", "bf16") else "fp32"
+            ns = "bf16" if run.optim.ns_dtype in ("bfloat16", "bf16") else "fp32"
             caveat = "" if ns == table.dtype else \
                 f" (its Newton-Schulz in {ns} is scaled from the {ns} peak: the table measured {table.dtype} GEMMs)"
             return get_device("local", table), table, caveat
-    if device.type == "cuda":
-        spec = match_device(device_label(device))
+    name = accelerator_name(device)
+    if name is not None:
+        spec = match_device(name)
         if spec is not None:
             return spec, None, ""
-    from zaya.device import device_memory_bytes
-
     # no figures for this device: memory alone (its size is known), no time
     spec = DeviceSpec("local", device_label(device), {"bf16": 1.0, "fp32": 1.0}, device_memory_bytes(device), 1.0,
                       1.0, 1.0, 1, 1.0, ())

@@ -15,8 +15,8 @@ resumes with nothing lost; a time budget times the learning-rate decay.
                           begins and spans the time left at the measured step rate (`timed_decay`); the
                           run then ends with the decay, exit 0.
 
-Every rank takes the same decision: the requests travel in the step's one all-reduce (a signal that reached
-any rank stops all of them at the same step), and every time figure is rank 0's.
+Every rank takes the same decision: the requests travel in the step's one reduction of statistics (a signal
+that reached any rank stops all of them at the same step), and every time figure is rank 0's.
 """
 
 from __future__ import annotations
@@ -26,17 +26,14 @@ import os
 import signal
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
-import torch
-
+from zaya.data.ramp import BatchRamp
 from zaya.optim.schedule import ScheduleConfig
+from zaya.train.config import TrainSection
+from zaya.train.stats import StepStats
 
-# sysexits' EX_TEMPFAIL, "a temporary failure; the user is invited to retry": not 0 (the run is not done),
-# not 1 (nothing went wrong), not 2 (bad input), not 128 + N (it did not die of the signal)
-EXIT_PREEMPTED = 75
-STOPPED_LINE = "stopped at step"  # how `zaya train` starts the line it prints then (a supervisor looks for it)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _RECENT = 10  # steps whose times estimate the next one's
 
@@ -71,14 +68,14 @@ class StopRequest:
         return self.signal is not None
 
 
-def time_origin() -> float:
-    """When the job started, as the wall clock (`time.time()`) counts: Slurm's job start if the job runs under
-    Slurm (`SLURM_JOB_START_TIME`), else when the torchrun agent that started this process began (a restarted
-    worker keeps the job's clock), else when this process began."""
-    slurm = os.environ.get("SLURM_JOB_START_TIME", "")
+def time_origin(environ: Mapping[str, str]) -> float:
+    """When the job started, as the wall clock (`time.time()`) counts, read from the process's environment:
+    Slurm's job start if the job runs under Slurm (`SLURM_JOB_START_TIME`), else when the torchrun agent that
+    started this process began (a restarted worker keeps the job's clock), else when this process began."""
+    slurm = environ.get("SLURM_JOB_START_TIME", "")
     if slurm.isdigit():
         return float(slurm)
-    pid = os.getppid() if "TORCHELASTIC_RESTART_COUNT" in os.environ else os.getpid()
+    pid = os.getppid() if "TORCHELASTIC_RESTART_COUNT" in environ else os.getpid()
     started = _process_start(pid)
     return started if started is not None else _PROCESS_START
 
@@ -152,73 +149,94 @@ def timed_decay(step: int, trained_s: float, budget_s: float, decay_fraction: fl
     return step + max(1, steps)
 
 
-class TrainingStops:
-    """The trainer's stop rules and timed schedule. Part of `Trainer` (a mixin, like `zaya.train.signals`): it
-    works on the trainer's config, state, launch and checkpoint manager."""
+@dataclass
+class Clock:
+    """The run's time so far, by rank 0's clock; saved in every checkpoint, so that a resume keeps it."""
+
+    train_seconds: float = 0.0  # time spent in steps, summed over resumes
+    step_times: list[float] = field(default_factory=list)  # the recent steps' times, for the stop rules
+    sample_times: list[float] = field(default_factory=list)  # the same per sequence, for a timed decay
+    save_seconds: float = 0.0  # how long the last checkpoint took
+    # with train.time_budget_s, once the decay is timed: the step it began at and the schedule's last step
+    decay_start: int = 0
+    schedule_steps: int = 0
+
+
+class StopRules:
+    """The rules of the module docstring for one run: its clock, the signals it caught, and why it stopped, if it
+    stopped early. `say` reports decisions."""
+
+    def __init__(self, train: TrainSection, schedule: ScheduleConfig, ramp: BatchRamp, origin: float, *,
+                 is_main: bool, say: Callable[[str], None]):
+        self.train, self.base_schedule, self.ramp = train, schedule, ramp
+        self.origin = origin  # what train.max_time_s counts from
+        self.is_main, self.say = is_main, say
+        self.clock = Clock()
+        self.request = StopRequest()
+        self.stopped: str | None = None  # why the run stopped before its end, if it did
+        self.last_seconds = 0.0  # rank 0's time of the step before, sent with the next step's statistics
+        self.last_batch = 0  # that step's global batch (the same on every rank)
 
     def schedule(self) -> ScheduleConfig:
         """The learning-rate schedule: as configured, or with its decay timed to train.time_budget_s once that
         was decided (the decision is part of the checkpoint, so a resumed run keeps it)."""
-        state = self.state
-        if not state.schedule_steps:
-            return self.config.schedule
-        decay = state.schedule_steps - state.decay_start
-        return dataclasses.replace(self.config.schedule, total_steps=state.schedule_steps,
-                                   decay_fraction=decay / state.schedule_steps)
+        clock = self.clock
+        if not clock.schedule_steps:
+            return self.base_schedule
+        decay = clock.schedule_steps - clock.decay_start
+        return dataclasses.replace(self.base_schedule, total_steps=clock.schedule_steps,
+                                   decay_fraction=decay / clock.schedule_steps)
 
     def end_step(self) -> int:
         """The step the run ends at: train.max_steps, or the end of a timed decay if that comes first."""
-        return min(self.config.train.max_steps, self.state.schedule_steps or self.config.train.max_steps)
+        return min(self.train.max_steps, self.clock.schedule_steps or self.train.max_steps)
 
-    def _take_controls(self, control: list[float]) -> str | None:
-        """Apply what the step's all-reduce brought (the same on every rank): rank 0's time for the previous
-        step (of `self._last_batch` sequences), the time budget's decay decision; returns why the run must stop
-        after this step, if it must."""
-        signals, deadline, previous = control
-        state = self.state
-        if previous > 0 and self._last_batch:
-            state.train_seconds += previous
-            state.step_times = [*state.step_times, previous][-10:]
-            state.sample_times = [*state.sample_times, previous / self._last_batch][-10:]
-        train, schedule = self.config.train, self.config.schedule
-        if train.time_budget_s and not state.schedule_steps and state.sample_times:
+    def stepped(self, seconds: float, batch: int) -> None:
+        """Rank 0's time for the step just taken, of `batch` sequences: sent with the next step's statistics."""
+        self.last_seconds, self.last_batch = seconds, batch
+
+    def add_to(self, stats: StepStats) -> None:
+        """What the step's reduction carries for these rules: a signal on any rank, rank 0's deadline and its
+        time for the step before."""
+        stats.sum("stop_signal", float(self.request.requested))
+        stats.from_main("deadline", float(self.is_main and self.deadline()))
+        stats.from_main("previous_seconds", self.last_seconds)
+
+    def take(self, reduced: dict, step: int, samples: int) -> str | None:
+        """Apply what the step's reduction brought (the same on every rank): rank 0's time for the previous step
+        and the time budget's decay decision; returns why the run must stop after this step, if it must."""
+        previous, clock = float(reduced["previous_seconds"]), self.clock
+        if previous > 0 and self.last_batch:
+            clock.train_seconds += previous
+            clock.step_times = [*clock.step_times, previous][-_RECENT:]
+            clock.sample_times = [*clock.sample_times, previous / self.last_batch][-_RECENT:]
+        train, schedule = self.train, self.base_schedule
+        if train.time_budget_s and not clock.schedule_steps and clock.sample_times:
             planned = schedule.total_steps - schedule.decay_steps
-            rate = statistics.median(state.sample_times)
-            total = timed_decay(state.step, state.train_seconds, train.time_budget_s, schedule.decay_fraction,
-                                schedule.warmup_steps, rate, planned, state.samples, self.ramp().at)
+            rate = statistics.median(clock.sample_times)
+            total = timed_decay(step, clock.train_seconds, train.time_budget_s, schedule.decay_fraction,
+                                schedule.warmup_steps, rate, planned, samples, self.ramp.at)
             if total is not None:
-                state.decay_start, state.schedule_steps = state.step, total
-                self._say(f"time budget: {state.train_seconds:.0f} of {train.time_budget_s:.0f} s trained; the "
-                          f"decay runs from step {state.step} to step {total} (the rest of the budget at "
-                          f"{rate * 1e3:.1f} ms per sequence, with the batch ramp)")
-        if signals:
+                clock.decay_start, clock.schedule_steps = step, total
+                self.say(f"time budget: {clock.train_seconds:.0f} of {train.time_budget_s:.0f} s trained; the "
+                         f"decay runs from step {step} to step {total} (the rest of the budget at "
+                         f"{rate * 1e3:.1f} ms per sequence, with the batch ramp)")
+        if reduced["stop_signal"]:
             return "signal"
-        return "max_time_s" if deadline else None
+        return "max_time_s" if reduced["deadline"] else None
 
-    def _deadline(self) -> bool:
-        """Rank 0's view: must the run stop now to leave a checkpoint before train.max_time_s?"""
-        clock = StepClock(self.state.step_times, self.state.save_seconds)
-        return self.launch.is_main and deadline_reached(self.config.train.max_time_s, self.started, clock)
+    def deadline(self) -> bool:
+        """Must the run stop now to leave a checkpoint before train.max_time_s (by this process's clock)?"""
+        clock = StepClock(self.clock.step_times, self.clock.save_seconds)
+        return deadline_reached(self.train.max_time_s, self.origin, clock)
 
-    def _stop_at_start(self) -> bool:
-        """A resumed run that has no time left for one step and a checkpoint stops before its first step (rank
-        0's clock decides, for all)."""
-        if not self.config.train.max_time_s or self._last_seconds or self.stopped:
-            return False  # checked once, before the first step
-        flag = torch.tensor(float(self._deadline()), dtype=torch.float64, device=self.device)
-        self._all_reduce(flag)
-        if not flag.item():
-            return False
-        self._stopped("max_time_s", self.state.step)
-        return True
-
-    def _stopped(self, reason: str, step: int) -> None:
-        """The run stops early with its checkpoint committed: say why and what resumes it."""
-        self.manager.wait()
-        self.stopped = self.stop.signal.name if reason == "signal" and self.stop.signal else reason
-        if reason == "signal" and self.stop.signal is None:
+    def stop(self, reason: str, step: int, committed: bool) -> None:
+        """The run stops early with its checkpoint of `step` committed (or with nothing trained yet): say why and
+        what resumes it."""
+        self.stopped = self.request.signal.name if reason == "signal" and self.request.signal else reason
+        if reason == "signal" and self.request.signal is None:
             self.stopped = "a signal to another rank"
-        limit = f" (train.max_time_s = {self.config.train.max_time_s:g} s)" if reason == "max_time_s" else ""
-        kept = (f"checkpoint step {step} is committed; the same command resumes from it"
-                if self.saved_step == step or self.resume_from is not None else "nothing was trained yet")
-        self._say(f"stopping at step {step} on {self.stopped}{limit}: {kept}")
+        limit = f" (train.max_time_s = {self.train.max_time_s:g} s)" if reason == "max_time_s" else ""
+        kept = (f"checkpoint step {step} is committed; the same command resumes from it" if committed
+                else "nothing was trained yet")
+        self.say(f"stopping at step {step} on {self.stopped}{limit}: {kept}")

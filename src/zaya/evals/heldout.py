@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from zaya.api import load_model
 from zaya.data.loader import TokenLoader
 from zaya.errors import ZayaError
+from zaya.infer.loading import load_model
 
 
 @torch.no_grad()

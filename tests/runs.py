@@ -1,18 +1,12 @@
-"""A small real dataset (Python sources) and a fast run config for the trainer tests."""
+"""Training runs for tests, importable from spawned processes too: a small real dataset (Python sources) and a
+fast micro-model run config (`write_config`)."""
 
 from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
 
-import pytest
-
 from zaya.data.build import BuildOptions, build_dataset
-
-
-@pytest.fixture(scope="session")
-def dataset(tmp_path_factory) -> Path:
-    return build_code_dataset(tmp_path_factory.mktemp("data"), ["json", "email"], val_fraction=0.2)
 
 
 def build_code_dataset(root: Path, packages: list[str], val_fraction: float) -> Path:

@@ -1,0 +1,90 @@
+"""`[parallel]` of a run config, and what `parallelize` applies to a model: plain settings, read without torch.
+
+The mesh's dimensions, outermost first: dp_replicate (HSDP replicas), dp_shard (FSDP2 shards), cp (context
+parallelism); see `zaya.parallel.mesh`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zaya.errors import ZayaError
+
+DEFAULT_INIT_TIMEOUT_S = 600.0
+ACTIVATION_CHECKPOINTING = ("none", "full", "moe")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
+BACKENDS = ("auto", "nccl", "gloo")
+CP_KERNELS = ("allgather", "ring")
+CP_SHARDINGS = ("headtail", "contiguous")
+
+
+@dataclass
+class ParallelConfig:
+    """`[parallel]`: the mesh, the collective library and the timeouts."""
+
+    dp_replicate: int = 1  # HSDP replicas, each a full copy of the sharded state (usually one per node)
+    dp_shard: int = -1  # -1: every rank the other dimensions leave
+    cp: int = 1  # context-parallel ranks that split each sequence
+    cp_kernel: str = "allgather"  # "ring" passes key/value blocks rank to rank, overlapped with compute
+    cp_sharding: str = "headtail"  # "contiguous": chunk r on rank r (for debugging; unbalanced work)
+    backend: str = "auto"  # "auto": nccl on GPUs (CUDA and ROCm), gloo on the CPU
+    timeout_s: float = 1800.0  # every process group's collective timeout
+    init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S  # joining the job: the store, the start-up check
+
+    def validate(self, source: str) -> None:
+        """Refuse values that fit no world size, naming the key."""
+        for key in ("dp_replicate", "cp"):
+            if getattr(self, key) < 1:
+                raise ZayaError(f"{source}: key 'parallel.{key}' must be at least 1, got {getattr(self, key)}")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise ZayaError(f"{source}: key 'parallel.dp_shard' must be at least 1, or -1 for every rank the "
+                            f"other dimensions leave, got {self.dp_shard}")
+        for key, allowed in (("cp_kernel", CP_KERNELS), ("cp_sharding", CP_SHARDINGS)):
+            if getattr(self, key) not in allowed:
+                raise ZayaError(f"{source}: key 'parallel.{key}' must be one of {', '.join(allowed)}, "
+                                f"got {getattr(self, key)!r}")
+        if self.backend not in BACKENDS:
+            raise ZayaError(f"{source}: key 'parallel.backend' must be one of {', '.join(BACKENDS)}, "
+                            f"got {self.backend!r}")
+        for key in ("timeout_s", "init_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ZayaError(f"{source}: key 'parallel.{key}' must be positive, got {getattr(self, key)}")
+
+    def shape(self, world_size: int, source: str) -> tuple[int, int, int]:
+        """(dp_replicate, dp_shard, cp) for `world_size` ranks, `dp_shard = -1` filled in."""
+        replicate, shard, cp = self.dp_replicate, self.dp_shard, self.cp
+        if shard == -1:
+            if world_size % (replicate * cp):
+                raise ZayaError(f"{source}: {world_size} ranks do not divide into parallel.dp_replicate = "
+                                f"{replicate} x parallel.cp = {cp} (parallel.cp must divide the world size)")
+            shard = world_size // (replicate * cp)
+        if replicate * shard * cp != world_size:
+            raise ZayaError(f"{source}: parallel.dp_replicate x dp_shard x cp = {replicate} x {shard} x {cp} = "
+                            f"{replicate * shard * cp}, but the job has {world_size} ranks")
+        return replicate, shard, cp
+
+
+def sequence_split_problem(length: int, ranks: int, sharding: str, min_chunk: int = 1) -> str | None:
+    """What is wrong with splitting a sequence of `length` tokens over `ranks` context-parallel ranks (None if
+    nothing): chunks (2 per rank head-tail, 1 contiguous) must be whole and hold at least `min_chunk` tokens (the
+    convolutions' halo reaches back one chunk only)."""
+    if sharding not in CP_SHARDINGS:
+        return f"sharding must be one of {', '.join(CP_SHARDINGS)}, got {sharding!r}"
+    chunks = 2 * ranks if sharding == "headtail" else ranks
+    if length % chunks:
+        how = "2 x cp" if sharding == "headtail" else "cp"
+        return f"a sequence of {length} tokens does not split into {how} = {chunks} chunks of equal length"
+    if length // chunks < min_chunk:
+        return (f"chunks of {length // chunks} tokens ({length} over {chunks}) are shorter than the {min_chunk} "
+                "tokens the convolutions reach back")
+    return None
+
+
+@dataclass(frozen=True)
+class ParallelizeConfig:
+    """What `zaya.parallel.fsdp.parallelize` applies to a model besides the mesh: activation checkpointing,
+    compilation, and bf16 mixed precision (parameters gathered in bf16, gradients reduced in fp32)."""
+
+    activation_checkpointing: str = "none"  # one of ACTIVATION_CHECKPOINTING
+    compile: bool = False
+    bf16: bool = False

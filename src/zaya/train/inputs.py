@@ -1,0 +1,75 @@
+"""What a run is checked against before anything is written: its datasets, and the checkpoint it resumes.
+
+Every rank runs these checks on its own, inside the job's start-up check (`zaya.parallel.launch`), so that bad
+input stops every rank at once with one line: a dataset that is missing or does not fit the model's vocabulary,
+a checkpoint of a format this version cannot resume, data that changed since the checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from zaya import checkpoint as ckpt
+from zaya.data.dataset_reader import open_dataset
+from zaya.errors import ZayaError
+from zaya.run_dir import CHECKPOINTS_DIR
+from zaya.train.config import CheckpointSection
+from zaya.train.run import ResolvedRun
+
+
+def checkpoint_dir(section: CheckpointSection, run_dir: Path) -> Path:
+    """Where the run's checkpoints go: `checkpoint.dir`, else RUN_DIR/checkpoints."""
+    return Path(section.dir) if section.dir else Path(run_dir) / CHECKPOINTS_DIR
+
+
+def newest_checkpoint(directory: Path, rank: int, log: Callable[[str], None]) -> Path | None:
+    """The newest valid checkpoint under `directory`, if any. Before the process group exists: rank 0 alone
+    renames a bad one `*.bad`."""
+    if not Path(directory).is_dir():
+        return None
+    return ckpt.CheckpointManager(directory, keep=1 << 30, rank=rank).newest_valid(log=log)
+
+
+def recorded_precision(checkpoint: Path | None) -> str | None:
+    """The precision the run of `checkpoint` trained in ("bf16" or "fp32"), which a resume of `auto` keeps: the
+    checkpoint's own record, or, in one written before it had one, the resolved config it carries."""
+    if checkpoint is None:
+        return None
+    precision = ckpt.read_json(checkpoint / ckpt.INFO_FILE).get("precision")
+    if precision is None:
+        record = ckpt.read_json(checkpoint / ckpt.TRAIN_STATE_FILE).get("config") or {}
+        precision = (record.get("train") or {}).get("precision")
+    return precision if precision in ("bf16", "fp32") else None
+
+
+def saved_phase(checkpoint: Path | None, phases: int) -> int:
+    """The phase a checkpoint was taken in (0 for none), within the `phases` the config has now."""
+    if checkpoint is None:
+        return 0
+    state = ckpt.read_json(checkpoint / ckpt.TRAIN_STATE_FILE)["state"]
+    return min(int(state.get("phase", 0)), phases - 1)
+
+
+def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: bool = False) -> None:
+    """Every phase's datasets exist and fit the model's vocabulary; a checkpoint to resume is of this format
+    version and was trained on the same data (unless `allow_data_change`)."""
+    fingerprints = {}
+    for phase in run.phases:
+        datasets = [open_dataset(source.path) for source in phase.sources]  # clear errors if missing
+        for dataset in datasets:
+            dataset.check_vocab(run.model.vocab_size)
+        fingerprints[phase.name] = [dataset.fingerprint for dataset in datasets]
+    if resume_from is None:
+        return
+    version = ckpt.read_json(resume_from / ckpt.INFO_FILE).get("version")
+    if version != ckpt.VERSION:
+        raise ZayaError(f"{resume_from}: a checkpoint of format version {version}, whose optimizer state this "
+                        f"version ({ckpt.VERSION}) cannot resume; its model still loads (zaya convert, "
+                        "zaya.load_model)")
+    saved = ckpt.read_json(resume_from / ckpt.TRAIN_STATE_FILE)["state"]
+    for phase in run.phases:
+        now, before = fingerprints[phase.name], saved.get("fingerprints", {}).get(phase.name)
+        if before is not None and before != now and not allow_data_change:
+            raise ZayaError(f"{resume_from}: phase '{phase.name}' was trained on data {before[0][:12]}..., but the "
+                            f"config now gives {now[0][:12]}...; pass --allow-data-change to continue anyway")

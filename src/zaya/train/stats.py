@@ -1,0 +1,59 @@
+"""The step's statistics, summed over the ranks by one all-reduce: fields by name, packed into one float64 buffer.
+
+    sum        a number or a tensor of any shape, summed (route counts stay exact: far below 2^53)
+    per_rank   one number per rank, each rank filling its own slot: after the sum, every rank's value
+    from_main  rank 0's number (the others send zero): its clock and its deadline decide for every rank
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class StepStats:
+    """The fields of one step's reduction; `reduce` sends them and returns them by name."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self._fields: dict[str, tuple[torch.Size, torch.Tensor | float, int | None]] = {}
+
+    def sum(self, name: str, value: torch.Tensor | float) -> None:
+        shape = value.shape if isinstance(value, torch.Tensor) else torch.Size()
+        self._fields[name] = (shape, value, None)
+
+    def per_rank(self, name: str, value: float) -> None:
+        self._fields[name] = (torch.Size([self.world_size]), float(value), self.rank)
+
+    def from_main(self, name: str, value: float) -> None:
+        self.sum(name, float(value) if self.rank == 0 else 0.0)
+
+    def set(self, name: str, value: float) -> None:
+        """Replace a field's value, keeping its kind (what is known only once the buffer's size is)."""
+        shape, _, slot = self._fields[name]
+        self._fields[name] = (shape, float(value), slot)
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * sum(shape.numel() for shape, _, _ in self._fields.values())
+
+    def reduce(self, all_reduce: Callable[[torch.Tensor], None]) -> dict[str, torch.Tensor]:
+        """Every field summed over the ranks (float64, in its shape; per-rank fields as [world_size])."""
+        packed = torch.zeros(self.nbytes // 8, dtype=torch.float64, device=self.device)
+        offset = 0
+        for shape, value, slot in self._fields.values():
+            size = shape.numel()
+            if slot is not None:
+                packed[offset + slot] = value
+            elif isinstance(value, torch.Tensor):
+                packed[offset:offset + size] = value.flatten()
+            else:
+                packed[offset] = value
+            offset += size
+        all_reduce(packed)
+        out, offset = {}, 0
+        for name, (shape, _, _) in self._fields.items():
+            out[name] = packed[offset:offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        return out

@@ -1,0 +1,144 @@
+"""`zaya train` as a function: a run config, the process's environment and the launch resolved once into a run,
+checked on every rank, and the trainer built from it.
+
+    launch = Launch.from_env(os.environ)
+    with launch.startup():                        # bad input on any rank stops every rank, reported once
+        job = TrainingJob.check(load_config(path), run_dir, launch=launch, environ=os.environ)
+    trainer = job.trainer()                       # the ranks agree on the precision; the trainer is built
+    trainer.run()
+
+What is resolved here, once, before anything is built: the device of this rank, the checkpoint to resume, the
+precision of `train.precision = "auto"` (the resumed run's recorded one, else measured on every rank and fp32 if
+any rank is slow in bf16), the run itself (`RunConfig.resolve`), and from the environment the supervisor's
+settings (heartbeats, incidents, policy, restart count, test-only faults), the job's clock, W&B's mode and the
+cache of `zaya shapes`. The trainer and its parts read none of it from the environment themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zaya.config import RunConfig
+from zaya.device import fast_bf16_matmul, rank_device, resolve_device
+from zaya.errors import ZayaError
+from zaya.parallel.launch import Launch
+from zaya.parallel.mesh import backend_for
+from zaya.plan.devices import peak_flops
+from zaya.plan.forecast import Forecast
+from zaya.plan.table import cache_dir, default_table_path
+from zaya.resilience.faults import FaultInjector
+from zaya.resilience.heartbeat import Heartbeat
+from zaya.resilience.policy import Policy
+from zaya.resilience.supervision import Supervision
+from zaya.train.hooks import Hooks
+from zaya.train.inputs import check_inputs, checkpoint_dir, newest_checkpoint, recorded_precision
+from zaya.train.log import RunLog
+from zaya.train.run import ResolvedRun
+from zaya.train.stops import time_origin
+from zaya.train.trainer import Trainer, TrainerSetup
+from zaya.train.wandb_sink import check_wandb, wandb_mode
+
+
+@dataclass
+class TrainingJob:
+    """One rank's run, checked and resolved with this rank's own view (see the module docstring)."""
+
+    config: RunConfig
+    run_dir: Path
+    launch: Launch
+    environ: Mapping[str, str]
+    device: torch.device
+    supervision: Supervision
+    policy: Policy
+    resume_from: Path | None
+    recorded: str | None  # the precision of the run resumed, if it says
+    run: ResolvedRun
+    allow_data_change: bool
+
+    @classmethod
+    def check(cls, config: RunConfig, run_dir: Path, *, launch: Launch, environ: Mapping[str, str],
+              allow_data_change: bool = False,
+              measure_bf16: Callable[[torch.device], bool] = fast_bf16_matmul) -> TrainingJob:
+        """Resolve and check the run on this rank (inside the job's start-up check: a `ZayaError` here stops every
+        rank). `measure_bf16` says whether bf16 matmuls are fast on the device (`zaya.device.fast_bf16_matmul`)."""
+        train = config.train
+        device = rank_device(resolve_device(None if train.device == "auto" else train.device), launch.local_rank)
+        supervision = Supervision.from_environ(environ)
+        policy = Policy.load(supervision.policy_file)
+        check_wandb(config.logging, config.source)  # a missing package stops every rank here, reported once
+        backend_for(config.parallel, device, config.source)
+        resume_from = newest_checkpoint(checkpoint_dir(config.checkpoint, run_dir), launch.rank,
+                                        RunLog(Path(run_dir), launch.rank))
+        recorded = recorded_precision(resume_from) if train.precision == "auto" else None
+        precision = train.precision
+        if precision == "auto":
+            precision = recorded or ("bf16" if measure_bf16(device) else "fp32")
+            _check_compile(config, precision, device)
+        run = config.resolve(launch.world_size, precision)
+        run.check_job()
+        check_inputs(run, resume_from, allow_data_change)
+        return cls(config, Path(run_dir), launch, environ, device, supervision, policy, resume_from, recorded, run,
+                   allow_data_change)
+
+    def trainer(self) -> Trainer:
+        """The trainer, once every rank passed the start-up check: the ranks agree on a measured precision
+        (fp32 if any rank is slow in bf16) and the run is final."""
+        run, launch = self.run, self.launch
+        if self.config.train.precision == "auto" and self.recorded is None:
+            agreed = "fp32" if "fp32" in launch.gather("precision", run.precision) else "bf16"
+            if agreed != run.precision:
+                _check_compile(self.config, agreed, self.device)
+                run = self.run = self.config.resolve(launch.world_size, agreed)
+        supervision = self.supervision
+        listeners, scales = [], []
+        if supervision.heartbeat_dir is not None:
+            listeners.append(Heartbeat(supervision.heartbeat_dir, launch.rank))
+        if supervision.faults:  # test-only
+            faults = FaultInjector(supervision.faults, rank=launch.rank, attempt=launch.restart,
+                                   run=supervision.run_attempt, line=supervision.fault_line)
+            listeners.append(faults)
+            scales.append(faults.loss_factor)
+        dtype = "bf16" if run.precision == "bf16" else "fp32"
+        table = default_table_path(dtype, cache_dir(self.environ))
+        setup = TrainerSetup(
+            self.run_dir, launch, self.device, resume_from=self.resume_from, allow_data_change=self.allow_data_change,
+            peak_flops=peak_flops(self.device, torch.bfloat16 if dtype == "bf16" else torch.float32),
+            policy=self.policy, incidents_file=supervision.incidents_file, run_attempt=supervision.run_attempt,
+            hooks=Hooks(listeners, scales), origin=time_origin(self.environ),
+            wandb_mode=wandb_mode(run.logging, self.environ.get("WANDB_MODE", "")),
+            forecast=Forecast.for_run(run, self.device, launch.local_world_size, table), report_plots=report_plots,
+        )
+        return Trainer(run, setup)
+
+
+def build_trainer(config: RunConfig, run_dir: Path, *, launch: Launch | None = None,
+                  environ: Mapping[str, str] | None = None, allow_data_change: bool = False,
+                  measure_bf16: Callable[[torch.device], bool] = fast_bf16_matmul) -> Trainer:
+    """`TrainingJob.check` inside the start-up check, then `trainer()`: the trainer `zaya train` would run, for a
+    config already loaded (by default in one process, in an empty environment)."""
+    launch = launch or Launch()
+    with launch.startup():
+        job = TrainingJob.check(config, run_dir, launch=launch, environ=environ or {},
+                                allow_data_change=allow_data_change, measure_bf16=measure_bf16)
+    return job.trainer()
+
+
+def report_plots(run_dir: Path) -> dict[str, Path]:
+    """The run report's plots, by name (`zaya.report`), for W&B at the end of a run."""
+    try:
+        import matplotlib  # noqa: F401  (the report's plots need it)
+    except ImportError:
+        raise ImportError("matplotlib is not installed: pip install 'zaya-stack[report]'") from None
+    from zaya.report.report import build_report
+
+    return {path.stem: path for path in build_report(run_dir).figures}
+
+
+def _check_compile(config: RunConfig, precision: str, device: torch.device) -> None:
+    if config.train.compile and precision != "bf16":
+        raise ZayaError(f"{config.source}: train.compile needs bf16, but train.precision = 'auto' is fp32 on "
+                        f"{device} (its bf16 matmuls are slow); set train.compile = false")
