@@ -45,18 +45,17 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
 
     warnings.filterwarnings("ignore")
     import zaya
-    from zaya.config import RunConfig
     from zaya.optim.config import OptimConfig
     from zaya.optim.hybrid import build_optimizer
+    from zaya.parallel.config import ParallelConfig, ParallelizeConfig
     from zaya.parallel.dtensor import clip_grad_norm_, local, local_bytes
     from zaya.parallel.fsdp import fsdp_volume, parallelize
     from zaya.parallel.launch import Launch
-    from zaya.parallel.mesh import ParallelConfig, init_parallel
+    from zaya.parallel.mesh import init_parallel
 
-    context = init_parallel(ParallelConfig(), torch.device("cpu"), Launch.from_env())
-    config = RunConfig()
-    config.train.precision = args.precision
-    model = parallelize(zaya.build_model(args.preset, seed=0), context.fsdp_mesh, config, context.counter)
+    context = init_parallel(ParallelConfig(), torch.device("cpu"), Launch.from_env(os.environ))
+    sharding = ParallelizeConfig(bf16=args.precision == "bf16")
+    model = parallelize(zaya.build_model(args.preset, seed=0), context.fsdp_mesh, sharding, context.counter)
     optimizer = build_optimizer(model, OptimConfig(ns_dtype=args.ns_dtype), comm=context.counter)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(rank)

@@ -8,6 +8,7 @@ import pytest
 
 import zaya
 from modeling import perturb
+from ranks import close_pool
 from runs import build_code_dataset
 
 warnings.filterwarnings("ignore", message=".*TypedStorage.*")
@@ -45,3 +46,7 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
 @pytest.fixture
 def cli(capsys):
     return lambda *args: run_cli(list(args), capsys)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    close_pool()  # the ranks of tests/ranks.py, started once per session

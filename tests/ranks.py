@@ -1,12 +1,23 @@
-"""The one way tests start several processes: a function on N fresh ranks, or a command line (torchrun), each
-with a deadline. A hung test fails with what it printed instead of hanging the suite."""
+"""The one way tests run several ranks: a function on N ranks of a pool of processes started once per session,
+or a command line (torchrun, the supervisor), each with a deadline. A hung test fails with what it printed
+instead of hanging the suite.
+
+Each rank of the pool is a fork server: a process started once, with the interpreter, torch and zaya imported
+(and nothing computed, so that forking is safe), which forks a fresh child for every job. A job's rank is that
+child: torchrun's environment with a fresh port, no state left by an earlier test (torch.distributed keeps
+some that its teardown does not clear), and the price of a fork instead of an interpreter start. A job that
+fails or runs past its deadline takes the pool down with it (a rank left waiting in a collective cannot be
+trusted), and the next job starts a new one.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -17,6 +28,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch.distributed as dist
+
+POOL_SIZE = 4  # the largest world size a test asks for
+
 
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on right now."""
@@ -25,75 +40,175 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
-                    env: dict[str, str] | None = None, threads: int = 1) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes and return their results, rank by rank.
+class RankPool:
+    """Up to `size` rank processes, started on first use (see the module docstring)."""
 
-    Each process sees the environment torchrun gives its workers (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-    MASTER_PORT on loopback) plus `env`, and runs `threads` intra-op threads. The first rank to fail fails the
-    test with its traceback, and the others are killed; so are all of them past `timeout` seconds. `fn` must
-    be a module-level function (it is pickled into the new processes)."""
-    context = mp.get_context("spawn")
-    results: mp.Queue = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_child, args=(fn, rank, world_size, port, args, env or {}, threads, results),
-                        daemon=True)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + timeout
-    outcomes: dict[int, Any] = {}
-    try:
-        while len(outcomes) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=0.5)
-            except queue.Empty:
-                silent = [r for r, p in enumerate(processes) if r not in outcomes and p.exitcode is not None]
-                if silent:
-                    try:  # a report written just before the process exited
-                        rank, ok, value = results.get(timeout=2.0)
-                    except queue.Empty:
-                        code = processes[silent[0]].exitcode
-                        raise AssertionError(f"rank {silent[0]} exited with code {code} and no result") from None
-                elif time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(outcomes))
-                    raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
-                else:
+    def __init__(self, size: int = POOL_SIZE):
+        self.size = size
+        self._context = mp.get_context("spawn")
+        self._workers: list[tuple[mp.Process, mp.Queue]] = []
+        self._results: mp.Queue | None = None
+
+    def _start(self) -> None:
+        self._results = self._context.Queue()
+        for rank in range(self.size):
+            tasks = self._context.Queue()
+            process = self._context.Process(target=_serve, args=(rank, tasks, self._results), daemon=True,
+                                            name=f"zaya-test-rank-{rank}")
+            process.start()
+            self._workers.append((process, tasks))
+
+    def close(self) -> None:
+        """Stop every rank at once, with the children it forked (they may be stuck in a collective)."""
+        for process, _ in self._workers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+        for process, _ in self._workers:
+            process.join(5)
+        self._workers, self._results = [], None
+
+    def run(self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
+            env: dict[str, str] | None = None, threads: int = 1) -> list[Any]:
+        """`fn(rank, world_size, *args)` on ranks 0 .. world_size - 1, each with torchrun's environment (its agent's
+        store, on loopback) plus `env` and `threads` intra-op threads; returns their results, rank by rank. The first
+        rank to fail fails the test with its traceback. `fn` must be a module-level function."""
+        if not 1 <= world_size <= self.size:
+            raise ValueError(f"the pool has {self.size} ranks, not {world_size}")
+        if not self._workers or not all(process.is_alive() for process, _ in self._workers):
+            self.close()
+            self._start()
+        job = pickle.dumps((fn, args))
+        # the job's store lives here, as torchrun's agent keeps it: a rank that leaves early takes nothing with it
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        for rank in range(world_size):
+            job_env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                       "TORCHELASTIC_USE_AGENT_STORE": "True", **(env or {})}
+            self._workers[rank][1].put((list(sys.path), job, job_env, threads))
+        deadline = time.monotonic() + timeout
+        outcomes: dict[int, Any] = {}
+        try:
+            while len(outcomes) < world_size:
+                try:
+                    rank, ok, value = self._results.get(timeout=0.5)
+                except queue.Empty:
+                    dead = [r for r in range(world_size) if r not in outcomes and not self._workers[r][0].is_alive()]
+                    if dead:
+                        code = self._workers[dead[0]][0].exitcode
+                        raise AssertionError(f"rank {dead[0]} exited with code {code} and no result") from None
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(world_size)) - set(outcomes))
+                        raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
                     continue
-            if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            outcomes[rank] = value
-        for process in processes:
-            process.join(max(1.0, deadline - time.monotonic()))
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-    return [outcomes[rank] for rank in range(world_size)]
+                if not ok:
+                    raise AssertionError(value if value.startswith(f"rank {rank} ") else
+                                         f"rank {rank} failed:\n{value}")
+                outcomes[rank] = value
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            del store
+        return [outcomes[rank] for rank in range(world_size)]
 
 
-def _child(fn, rank: int, world_size: int, port: int, args: tuple, env: dict, threads: int, results) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       **env})
+def _serve(rank: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    """A pool rank: fork a child for each job, forward its result (see the module docstring)."""
+    os.setsid()  # the pool kills the server and the children it forked together
+    # loaded once, every child inherits them
+    import torch.distributed  # noqa: F401
+
+    import zaya.cli
+    import zaya.training  # noqa: F401
+
+    while True:
+        path, job, env, threads = tasks.get()
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.close(read)
+            _child(path, job, env, threads, write)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            data = pipe.read()
+        _, status = os.waitpid(child, 0)
+        if data:
+            results.put((rank, *pickle.loads(data)))
+        else:
+            code = os.waitstatus_to_exitcode(status)
+            results.put((rank, False, f"rank {rank} exited with code {code} and no result"))
+
+
+def _child(path: list[str], job: bytes, env: dict[str, str], threads: int, write: int) -> None:
+    """One job's rank: run it, write (ok, value) to the pipe, exit without the parent's cleanup."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(threads)
+    code = 0
     try:
-        value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        sys.path[:] = path  # the test module that `fn` comes from is importable by name
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+        fn, args = pickle.loads(job)
+        outcome = (True, fn(int(env["RANK"]), int(env["WORLD_SIZE"]), *args))
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        # DTensor collectives leave reference cycles holding gloo work; collected during interpreter
-        # finalisation they abort the process now and then ("terminate called without an active exception")
-        gc.collect()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        outcome, code = (False, traceback.format_exc()), 1
+    try:
+        data = pickle.dumps(outcome)
+    except Exception:
+        data, code = pickle.dumps((False, f"the result cannot be pickled:\n{traceback.format_exc()}")), 1
+    with os.fdopen(write, "wb") as pipe:
+        pipe.write(data)
+    # DTensor collectives leave reference cycles holding gloo work; collected during interpreter finalisation they
+    # abort the process now and then ("terminate called without an active exception")
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+_POOL: RankPool | None = None
+
+
+def rank_pool() -> RankPool:
+    """The session's pool (tests/conftest.py closes it at the end of the session)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = RankPool()
+    return _POOL
+
+
+def close_pool() -> None:
+    global _POOL
+    if _POOL is not None:
+        _POOL.close()
+        _POOL = None
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
+                    env: dict[str, str] | None = None, threads: int = 1) -> list[Any]:
+    """`fn(rank, world_size, *args)` on `world_size` ranks of the session's pool: `RankPool.run`."""
+    return rank_pool().run(fn, world_size, *args, timeout=timeout, env=env, threads=threads)
+
+
+def zaya_on_rank(rank: int, world_size: int, args: Sequence[str]) -> tuple[int, str, str]:
+    """`zaya ARGS` as torchrun would run it on this rank (the pool has set its environment): (exit code, stdout,
+    stderr). Use it with `run_distributed`: the `zaya` command's own code path on N ranks, without N fresh
+    interpreters."""
+    from zaya.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def zaya_ranks(args: Sequence[str], world_size: int, *, timeout: float = 300.0,
+               env: dict[str, str] | None = None) -> list[tuple[int, str, str]]:
+    """`zaya_on_rank` on `world_size` ranks of the pool: each rank's (exit code, stdout, stderr)."""
+    return run_distributed(zaya_on_rank, world_size, [str(a) for a in args], timeout=timeout, env=env)
 
 
 def run_command(args: Sequence[str], *, timeout: float = 300.0, env: dict[str, str] | None = None,

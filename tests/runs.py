@@ -1,9 +1,13 @@
-"""Training runs for tests, importable from spawned processes too: a small real dataset (Python sources) and a
-fast micro-model run config (`write_config`)."""
+"""Training runs for tests, importable from the pool's ranks too: a small real dataset (Python sources), a fast
+micro-model run config (`write_config`), and the `zaya` command in this process (`zaya_command`)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
 from zaya.data.build import BuildOptions, build_dataset
@@ -29,7 +33,7 @@ def write_config(path: Path, dataset: Path, **sections) -> Path:
         "data": {"path": str(dataset), "seq_len": 32},
         "train": {"seed": 3, "max_steps": 10, "micro_batch_size": 4, "global_batch_size": 8, "precision": "fp32",
                   "eval_every": 5, "eval_batches": 2},
-        "optim": {"lr": 0.01},
+        "optim": {"lr": 0.01, "ns_dtype": "float32"},  # bf16 Newton-Schulz crawls on CPUs without bf16 units
         "schedule": {"warmup_steps": 2, "decay_fraction": 0.2},
         "checkpoint": {"every": 3, "keep": 2},
         "logging": {"log_every": 1, "tensorboard": False, "progress": False},
@@ -62,3 +66,36 @@ def _toml(value) -> str:
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
     return repr(value)
+
+
+def zaya_command(args: Sequence[str], env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`zaya ARGS` in this process, with `env` added to the environment for the call: (exit code, stdout,
+    stderr). The command's own code path without an interpreter's start; a fault that kills the process
+    (sigkill, sigstop) needs `ranks.run_command` instead."""
+    from zaya.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in args])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return code, out.getvalue(), err.getvalue()
+
+
+class SteppedClock:
+    """A clock for the stop rules that moves only as steps start: each step takes `step_s` seconds of it. Give
+    it to the trainer as its clock and its timer, and `listen` among its hooks."""
+
+    def __init__(self, step_s: float):
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        return self.now
+
+    def listen(self, event: str, step: int, path: Path | None = None) -> None:
+        if event == "step":
+            self.now += self.step_s

@@ -16,6 +16,7 @@ cache of `zaya shapes`. The trainer and its parts read none of it from the envir
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,9 +85,10 @@ class TrainingJob:
         return cls(config, Path(run_dir), launch, environ, device, supervision, policy, resume_from, recorded, run,
                    allow_data_change)
 
-    def trainer(self) -> Trainer:
+    def trainer(self, **setup) -> Trainer:
         """The trainer, once every rank passed the start-up check: the ranks agree on a measured precision
-        (fp32 if any rank is slow in bf16) and the run is final."""
+        (fp32 if any rank is slow in bf16) and the run is final. `setup` replaces fields of the `TrainerSetup`
+        made here (a test's clocks, say)."""
         run, launch = self.run, self.launch
         if self.config.train.precision == "auto" and self.recorded is None:
             agreed = "fp32" if "fp32" in launch.gather("precision", run.precision) else "bf16"
@@ -104,7 +106,7 @@ class TrainingJob:
             scales.append(faults.loss_factor)
         dtype = "bf16" if run.precision == "bf16" else "fp32"
         table = default_table_path(dtype, cache_dir(self.environ))
-        setup = TrainerSetup(
+        trainer_setup = TrainerSetup(
             self.run_dir, launch, self.device, resume_from=self.resume_from, allow_data_change=self.allow_data_change,
             peak_flops=peak_flops(self.device, torch.bfloat16 if dtype == "bf16" else torch.float32),
             policy=self.policy, incidents_file=supervision.incidents_file, run_attempt=supervision.run_attempt,
@@ -112,19 +114,19 @@ class TrainingJob:
             wandb_mode=wandb_mode(run.logging, self.environ.get("WANDB_MODE", "")),
             forecast=Forecast.for_run(run, self.device, launch.local_world_size, table), report_plots=report_plots,
         )
-        return Trainer(run, setup)
+        return Trainer(run, dataclasses.replace(trainer_setup, **setup))
 
 
 def build_trainer(config: RunConfig, run_dir: Path, *, launch: Launch | None = None,
                   environ: Mapping[str, str] | None = None, allow_data_change: bool = False,
-                  measure_bf16: Callable[[torch.device], bool] = fast_bf16_matmul) -> Trainer:
-    """`TrainingJob.check` inside the start-up check, then `trainer()`: the trainer `zaya train` would run, for a
-    config already loaded (by default in one process, in an empty environment)."""
+                  measure_bf16: Callable[[torch.device], bool] = fast_bf16_matmul, **setup) -> Trainer:
+    """`TrainingJob.check` inside the start-up check, then `trainer(**setup)`: the trainer `zaya train` would run,
+    for a config already loaded (by default in one process, in an empty environment)."""
     launch = launch or Launch()
     with launch.startup():
         job = TrainingJob.check(config, run_dir, launch=launch, environ=environ or {},
                                 allow_data_change=allow_data_change, measure_bf16=measure_bf16)
-    return job.trainer()
+    return job.trainer(**setup)
 
 
 def report_plots(run_dir: Path) -> dict[str, Path]:

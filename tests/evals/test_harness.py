@@ -111,6 +111,7 @@ def test_model_arguments_are_checked_with_one_line(trained_run):
         ZayaLM(path=str(trained_run), dtype="int8")
 
 
+@pytest.mark.slow
 def test_lm_eval_finds_the_zaya_model_by_name(trained_run, task_manager, in_tasks_dir, tmp_path):
     by_name = lm_eval.simple_evaluate(model="zaya", model_args=f"path={trained_run},batch_size=4",
                                       tasks=["zaya_code_choice"], task_manager=task_manager, limit=4)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zaya
-from ranks import run_command
+from ranks import run_command, zaya_ranks
 from runs import write_config
 from zaya.cli import main
 from zaya.errors import EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_PREEMPTED, EXIT_STOPPED
@@ -22,7 +22,6 @@ from zaya.resilience.incidents import read_incidents
 from zaya.resilience.processes import descendants, process_state
 from zaya.train.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
 STEPS = 12
 POLICY = """
 [supervisor]
@@ -72,12 +71,11 @@ def _samples(run: Path) -> dict[int, list]:
 
 @pytest.fixture(scope="module")
 def reference(dataset, tmp_path_factory) -> Path:
-    """An uninterrupted supervised 2-rank run."""
+    """The same run on 2 ranks, uninterrupted (and unsupervised: the ranks of the session's pool)."""
     tmp = tmp_path_factory.mktemp("reference")
     run = tmp / "run"
-    result, _, incidents = _supervise(tmp, _torchrun(_config(tmp, dataset), run))
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
-    assert incidents == []
+    for code, _, err in zaya_ranks(["train", _config(tmp, dataset), "--run-dir", run], 2):
+        assert code == 0, err[-5000:]
     return run
 
 
@@ -89,6 +87,7 @@ def _assert_bitwise(run: Path, reference: Path) -> None:
     assert _samples(run) == _samples(reference)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_and_a_stopped_rank_are_recovered_and_the_run_is_bitwise_the_same(dataset, tmp_path,
                                                                                           reference):
     """Run 0 loses rank 1 to SIGKILL; run 1 has rank 1 stopped with SIGSTOP (a hang); run 2 has rank 1 slow."""
@@ -112,6 +111,7 @@ def test_a_killed_rank_and_a_stopped_rank_are_recovered_and_the_run_is_bitwise_t
     _assert_bitwise(run, reference)
 
 
+@pytest.mark.slow
 def test_a_corrupt_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(dataset, tmp_path):
     config = _config(tmp_path, dataset)
     run = tmp_path / "run"
@@ -126,6 +126,7 @@ def test_a_corrupt_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_befo
     assert max(r["step"] for r in read_metrics(run)) == STEPS
 
 
+@pytest.mark.slow
 def test_an_ecc_error_cordons_that_gpu_and_the_run_goes_on_with_one_rank_fewer(dataset, tmp_path, reference):
     readings = tmp_path / "smi.csv"
     readings.write_text("0, 00000000:3B:00.0, 0, 0\n1, 00000000:5E:00.0, 0, 0\n")
@@ -160,10 +161,16 @@ def test_an_ecc_error_cordons_that_gpu_and_the_run_goes_on_with_one_rank_fewer(d
     assert [r["step"] for r in read_metrics(run)] == list(range(1, STEPS + 1))
 
 
+def _fake_trainer(*args: str) -> list[str]:
+    """`zaya train` as the supervisor sees it, without the training (tests/resilience/fake_trainer.py)."""
+    return [sys.executable, str(Path(__file__).with_name("fake_trainer.py")), *args]
+
+
 def _sleeper(seconds: float = 120) -> list[str]:
     return [sys.executable, "-c", f"import time; time.sleep({seconds})"]
 
 
+@pytest.mark.slow
 def test_nic_flaps_below_the_threshold_are_logged_and_at_it_the_node_is_cordoned(tmp_path):
     net = tmp_path / "root" / "sys" / "class" / "net" / "eth0"
     net.mkdir(parents=True)
@@ -191,13 +198,10 @@ def test_nic_flaps_below_the_threshold_are_logged_and_at_it_the_node_is_cordoned
     assert json.loads((state / "cordon.json").read_text())["nodes"] == [os.uname().nodename]
 
 
-def test_a_crash_that_repeats_at_the_same_step_stops_with_the_no_progress_code(dataset, tmp_path):
-    config = _config(tmp_path, dataset)
-    command = [sys.executable, "-m", "zaya.cli", "train", str(config), "--run-dir", str(tmp_path / "run")]
+def test_a_crash_that_repeats_at_the_same_step_stops_with_the_no_progress_code(tmp_path):
     xid = "[ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus."
     policy = POLICY.replace("[supervisor]\n", "[supervisor]\nmax_no_progress = 2\n")
-    result, _, incidents = _supervise(tmp_path, command, policy=policy, faults="print@step:4,raise@step:4",
-                                      env={"ZAYA_FAULT_LINE": xid})
+    result, _, incidents = _supervise(tmp_path, _fake_trainer("--crash-at", "4", "--line", xid), policy=policy)
     assert result.returncode == EXIT_NO_PROGRESS, result.stdout[-3000:] + result.stderr[-3000:]
     decided = [i for i in incidents if i["event"] == "incident"]
     assert [i["action"] for i in decided] == ["restart", "restart", "stop"]  # run 0 got furthest; 1, 2 did not
@@ -229,6 +233,7 @@ def test_a_command_that_does_not_exist_is_one_line_and_exit_2(tmp_path, capsys):
     assert not (tmp_path / "state").exists()
 
 
+@pytest.mark.slow
 def test_a_config_mistake_is_bad_input_and_not_restarted(dataset, tmp_path):
     config = write_config(tmp_path / "run.toml", dataset, train={"global_batch_size": 9, "micro_batch_size": 4,
                                                                  "max_steps": 4})
@@ -262,6 +267,7 @@ def test_a_killed_supervisor_takes_its_group_with_it(tmp_path):
             supervisor.kill()
 
 
+@pytest.mark.slow
 def test_a_hang_the_policy_only_logs_is_recorded_once_and_the_run_goes_on(tmp_path):
     policy = ('[supervisor]\npoll_s = 0.1\n[heartbeat]\ninit_timeout_s = 0.5\n'
               '[[rule]]\nsignal = "hang"\naction = "log"\n')
@@ -272,6 +278,7 @@ def test_a_hang_the_policy_only_logs_is_recorded_once_and_the_run_goes_on(tmp_pa
         logged["evidence"][0]
 
 
+@pytest.mark.slow
 def test_a_stopped_supervisor_lets_the_trainers_checkpoint_and_the_rerun_is_bitwise_the_same(dataset, tmp_path,
                                                                                             reference):
     """What a scheduler does before its time limit: SIGTERM to the supervisor, which passes it on to the group."""
@@ -300,10 +307,7 @@ def test_a_stopped_supervisor_lets_the_trainers_checkpoint_and_the_rerun_is_bitw
     _assert_bitwise(run, reference)
 
 
-def test_a_run_that_stops_for_its_time_limit_is_not_restarted(dataset, tmp_path):
-    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 10_000, "max_time_s": 30.0,
-                                                                 "eval_every": 0}, checkpoint={"every": 1000})
-    command = [sys.executable, "-m", "zaya.cli", "train", str(config), "--run-dir", str(tmp_path / "run")]
-    result, _, incidents = _supervise(tmp_path, command, timeout=200)
+def test_a_run_that_stops_for_its_time_limit_is_not_restarted(tmp_path):
+    result, _, incidents = _supervise(tmp_path, _fake_trainer("--stop-at", "3"), timeout=60)
     assert result.returncode == EXIT_PREEMPTED, result.stdout[-3000:] + result.stderr[-3000:]
     assert incidents == [] and "stopped early with a checkpoint" in result.stdout

@@ -31,7 +31,6 @@ from zaya.resilience.incidents import read_incidents
 from zaya.resilience.processes import descendants, signal_all
 from zaya.train.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
 STEPS = 12
 DEADLINE_S = 240.0  # the whole scenario; it takes about a minute on two CPU cores
 POLICY = """
@@ -132,6 +131,7 @@ def _tail(path: Path, chars: int = 6000) -> str:
     return f"--- {path.name}\n{path.read_text(errors='replace')[-chars:]}" if path.is_file() else ""
 
 
+@pytest.mark.slow
 def test_a_node_whose_link_goes_down_is_cordoned_and_the_other_node_finishes_the_run(dataset, tmp_path, nodes):
     """One rank per node; once the checkpoint of step 3 is committed, B's link goes down. B's supervisor
     cordons B and stops; A's sees cordon.json change, kills its rank (stuck in a collective with B) and goes

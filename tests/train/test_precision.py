@@ -20,7 +20,7 @@ def _fast(answer: bool):
 def test_auto_trains_in_the_measured_precision_and_records_it(dataset, tmp_path, fast):
     measured = "bf16" if fast else "fp32"
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 2, "precision": "auto",
-                                                                 "eval_every": 0})
+                                                                 "eval_every": 0}, optim={"ns_dtype": "bfloat16"})
     run = tmp_path / "run"
     trainer = build_trainer(load_config(config), run, measure_bf16=_fast(fast))
     trainer.run()

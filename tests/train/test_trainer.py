@@ -1,26 +1,26 @@
-"""`zaya train`: exact resume after SIGKILL, crash-safe checkpoints, phases, the ramp, bad input."""
+"""`zaya train`: exact resume after SIGKILL, crash-safe checkpoints, phases, the ramp, bad input.
+
+One test kills a real `zaya train` process; the others crash it in this process (an injected exception at the
+same point), which leaves the run directory as a kill would."""
 
 import json
 import os
+import pickle
 import random
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from runs import build_code_dataset, write_config
+from ranks import run_command
+from runs import build_code_dataset, write_config, zaya_command
 from zaya import checkpoint as ckpt
 from zaya.config import load_config
+from zaya.resilience.faults import InjectedFault
 from zaya.train.metrics import read_metrics
 from zaya.training import build_trainer
-
-
-def _train(config: Path, run_dir: Path, *args: str, env: dict | None = None, timeout: float = 300):
-    return subprocess.run([sys.executable, "-m", "zaya.cli", "train", str(config), "--run-dir", str(run_dir), *args],
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def _final_tensors(run_dir: Path) -> dict:
@@ -40,59 +40,77 @@ def _losses(run_dir: Path) -> list[tuple[int, float, float | None]]:
     return [(r["step"], r["loss"], r.get("eval_loss")) for r in read_metrics(run_dir)]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_sigkill_at_a_random_step_then_resume_is_bitwise_identical(dataset, tmp_path, precision):
-    config = write_config(tmp_path / "run.toml", dataset, train={"precision": precision})
+def _assert_same_run(a: Path, b: Path) -> None:
+    assert _losses(a) == _losses(b)
+    ta, tb = _final_tensors(a), _final_tensors(b)
+    assert set(ta) == set(tb) and any(k.startswith("optim.") for k in ta)
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
+
+
+def _crash(config: Path, run_dir: Path, fault: str) -> None:
+    """Train in this process until the injected `raise` fault stops it, as a crash would."""
+    with pytest.raises(InjectedFault):
+        build_trainer(load_config(config), run_dir, environ={"ZAYA_FAULTS": fault}).run()
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_step_then_resume_is_bitwise_identical(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset)
     build_trainer(load_config(config), tmp_path / "straight").run()
 
-    kill_at = random.Random(precision).randint(4, 8)  # after the checkpoint of step 3 or 6
-    crashed = _train(config, tmp_path / "resumed", env={"ZAYA_FAULTS": f"sigkill@step:{kill_at}"})
+    kill_at = random.Random(0).randint(4, 8)  # after the checkpoint of step 3 or 6
+    command = [sys.executable, "-m", "zaya.cli", "train", config, "--run-dir", tmp_path / "resumed"]
+    crashed = run_command(command, env={"ZAYA_FAULTS": f"sigkill@step:{kill_at}"})
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert max(r["step"] for r in read_metrics(tmp_path / "resumed")) == kill_at
-    resumed = _train(config, tmp_path / "resumed")
+    resumed = run_command(command)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in (tmp_path / "resumed" / "train.log").read_text()
-
-    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
-    a, b = _final_tensors(tmp_path / "straight"), _final_tensors(tmp_path / "resumed")
-    assert set(a) == set(b) and any(k.startswith("optim.") for k in a)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    _assert_same_run(tmp_path / "straight", tmp_path / "resumed")
 
 
-def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(dataset, tmp_path):
+def test_a_crash_in_bf16_then_resume_is_bitwise_identical(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset, train={"precision": "bf16", "max_steps": 6})
+    build_trainer(load_config(config), tmp_path / "straight").run()
+    _crash(config, tmp_path / "resumed", "raise@step:4")
+    assert max(r["step"] for r in read_metrics(tmp_path / "resumed")) == 4
+    build_trainer(load_config(config), tmp_path / "resumed").run()
+    _assert_same_run(tmp_path / "straight", tmp_path / "resumed")
+
+
+def test_a_crash_during_a_checkpoint_write_keeps_the_previous_one(dataset, tmp_path):
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 8})
-    crashed = _train(config, tmp_path / "run", env={"ZAYA_FAULTS": "sigkill@checkpoint-written:6"})
-    assert crashed.returncode == -signal.SIGKILL
+    _crash(config, tmp_path / "run", "raise@checkpoint-written:6")
     root = tmp_path / "run" / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_00000003"
     assert (root / "step_00000006.tmp").is_dir() and not (root / "step_00000006").exists()
     assert ckpt.resolve_checkpoint(tmp_path / "run").name == "step_00000003"
-    resumed = _train(config, tmp_path / "run")
-    assert resumed.returncode == 0, resumed.stderr
+    build_trainer(load_config(config), tmp_path / "run").run()
     assert not (root / "step_00000006.tmp").exists()
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000006", "step_00000008"]
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_a_damaged_shard_is_detected_and_the_previous_checkpoint_used(dataset, tmp_path, damage):
-    config = load_config(write_config(tmp_path / "run.toml", dataset, train={"max_steps": 6},
+def test_damaged_shards_are_detected_and_the_newest_valid_checkpoint_used(dataset, tmp_path):
+    config = load_config(write_config(tmp_path / "run.toml", dataset, train={"max_steps": 9},
                                       checkpoint={"keep": 3}))
     build_trainer(config, tmp_path / "run").run()
-    newest = tmp_path / "run" / "checkpoints" / "step_00000006"
-    shard = next(newest.glob("*.distcp"))
-    data = bytearray(shard.read_bytes())
-    if damage == "truncate":
-        data = data[: len(data) // 2]
-    else:
-        data[len(data) // 3] ^= 0x10
-    shard.write_bytes(bytes(data))
-    trainer = build_trainer(load_config(write_config(tmp_path / "run.toml", dataset, train={"max_steps": 7},
-                                               checkpoint={"keep": 3})), tmp_path / "run")
+    root = tmp_path / "run" / "checkpoints"
+    for step, damage in ((9, "truncate"), (6, "flip")):
+        shard = next((root / f"step_{step:08d}").glob("*.distcp"))
+        data = bytearray(shard.read_bytes())
+        if damage == "truncate":
+            data = data[: len(data) // 2]
+        else:
+            data[len(data) // 3] ^= 0x10
+        shard.write_bytes(bytes(data))
+    trainer = build_trainer(load_config(write_config(tmp_path / "run.toml", dataset, train={"max_steps": 10},
+                                                     checkpoint={"keep": 3})), tmp_path / "run")
     assert trainer.resume_from.name == "step_00000003"
-    assert (tmp_path / "run" / "checkpoints" / "step_00000006.bad").is_dir()  # kept aside, never deleted
+    for step in (6, 9):  # kept aside, never deleted
+        assert (root / f"step_{step:08d}.bad").is_dir()
     trainer.run()
-    assert trainer.progress.step == 7
+    assert trainer.progress.step == 10
 
 
 def test_phases_switch_at_their_token_budgets_and_the_ramp_continues_across_resume(dataset, tmp_path):
@@ -113,8 +131,8 @@ def test_phases_switch_at_their_token_budgets_and_the_ramp_continues_across_resu
     assert sum(r["batch_size"] * 32 for r in rows if r["step"] < switch - 1) < 1024
 
     # interrupted at step 6 and resumed: the same ramp and phases, the same losses
-    _train(config, tmp_path / "resumed", env={"ZAYA_FAULTS": "sigkill@step:6"})
-    assert _train(config, tmp_path / "resumed").returncode == 0
+    _crash(config, tmp_path / "resumed", "raise@step:6")
+    build_trainer(load_config(config), tmp_path / "resumed").run()
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
     resumed_rows = read_metrics(tmp_path / "resumed")
     assert [r["batch_size"] for r in resumed_rows] == batches
@@ -141,11 +159,16 @@ def test_controller_state_survives_resume(dataset, tmp_path):
 
 
 def _assert_refused(result, *fragments):
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("zaya: error: ") and "Traceback" not in result.stderr
+    code, _, err = result
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zaya: error: ") and "Traceback" not in err
     for fragment in fragments:
         assert fragment in lines[0]
+
+
+def _train(config: Path, run_dir: Path, *args: str):
+    return zaya_command(["train", config, "--run-dir", run_dir, *args])
 
 
 def test_bad_input_is_refused_with_one_line_and_nothing_written(dataset, tmp_path):
@@ -181,13 +204,11 @@ def test_a_changed_dataset_is_refused_unless_allowed(dataset, tmp_path):
     before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     _assert_refused(_train(changed, tmp_path / "run"), "--allow-data-change")
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
-    allowed = _train(changed, tmp_path / "run", "--allow-data-change")
-    assert allowed.returncode == 0, allowed.stderr
+    code, _, err = _train(changed, tmp_path / "run", "--allow-data-change")
+    assert code == 0, err
 
 
 def test_a_checkpoint_whose_metadata_would_run_code_is_refused_everywhere(dataset, tmp_path, monkeypatch):
-    import pickle
-
     monkeypatch.chdir(tmp_path)
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 3})
     build_trainer(load_config(config), tmp_path / "run").run()
@@ -204,12 +225,10 @@ def test_a_checkpoint_whose_metadata_would_run_code_is_refused_everywhere(datase
     manifest = json.loads((target.parent / "manifest.rank0.json").read_text())
     ckpt.write_manifest(target.parent, 0, manifest["files"])
     # resume: the bad checkpoint is set aside as .bad (a fresh run then starts), the payload never runs
-    result = _train(config, tmp_path / "run")
-    assert result.returncode == 0
-    assert (tmp_path / "run" / "checkpoints" / "step_00000003.bad").exists()
+    code, _, err = _train(config, tmp_path / "run")
+    assert code == 0, err
     bad = tmp_path / "run" / "checkpoints" / "step_00000003.bad"
+    assert bad.exists()
     for args in (["generate", "--model", str(bad), "--prompt-ids", "1,2"], ["convert", str(bad), "out"]):
-        refused = subprocess.run([sys.executable, "-m", "zaya.cli", *args], capture_output=True, text=True,
-                                 timeout=120)
-        _assert_refused(refused, "not allowed")
+        _assert_refused(zaya_command(args), "not allowed")
     assert not (tmp_path / "pwned").exists()

@@ -6,9 +6,7 @@ import dataclasses
 import io
 import json
 import os
-import signal
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,12 +16,13 @@ from runs import write_config
 from zaya.cli import main
 from zaya.config import RunConfig, load_config
 from zaya.errors import ZayaError
+from zaya.resilience.faults import InjectedFault
 from zaya.run_dir import WANDB_ID_FILE as ID_FILE
 from zaya.train import metrics as metrics_module
 from zaya.train.config import LoggingSection
 from zaya.train.metrics import MetricsLogger, read_metrics
 from zaya.train.wandb_sink import check_wandb, open_wandb, wandb_mode
-from zaya.training import report_plots
+from zaya.training import build_trainer, report_plots
 
 wandb_internal_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
@@ -249,22 +248,12 @@ def test_the_progress_bar_counts_seconds_of_a_time_budget(tmp_path, monkeypatch)
 # ---- the trainer --------------------------------------------------------------------------------------------
 
 
-def _train(config: Path, run_dir: Path, env: dict):
-    # an earlier test's W&B service (WANDB_SERVICE, which wandb exports) would serve the child too: a child killed
-    # with its run open would leave that run "in use" there for the rest of this process
-    inherited = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    return subprocess.run([sys.executable, "-m", "zaya.cli", "train", str(config), "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=300, env={**inherited, **env})
-
-
 def test_a_training_run_logs_to_wandb_and_a_resumed_one_continues_it(dataset, tmp_path, offline):
-    from zaya.training import build_trainer
-
     config_path = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 6},
                                logging={"wandb": True, "wandb_mode": "offline", "wandb_name": "tiny-test"})
     run_dir = tmp_path / "run"
-    crashed = _train(config_path, run_dir, {"ZAYA_FAULTS": "sigkill@step:5"})  # after the checkpoint of step 3
-    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    with pytest.raises(InjectedFault):  # a crash after the checkpoint of step 3
+        build_trainer(load_config(config_path), run_dir, environ={"ZAYA_FAULTS": "raise@step:5"}).run()
     build_trainer(load_config(config_path), run_dir).run()
 
     rows = read_metrics(run_dir)

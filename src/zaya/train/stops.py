@@ -167,9 +167,9 @@ class StopRules:
     stopped early. `say` reports decisions."""
 
     def __init__(self, train: TrainSection, schedule: ScheduleConfig, ramp: BatchRamp, origin: float, *,
-                 is_main: bool, say: Callable[[str], None]):
+                 is_main: bool, say: Callable[[str], None], clock: Callable[[], float] = time.time):
         self.train, self.base_schedule, self.ramp = train, schedule, ramp
-        self.origin = origin  # what train.max_time_s counts from
+        self.origin, self.clock_now = origin, clock  # train.max_time_s counts from `origin` by `clock`
         self.is_main, self.say = is_main, say
         self.clock = Clock()
         self.request = StopRequest()
@@ -228,7 +228,7 @@ class StopRules:
     def deadline(self) -> bool:
         """Must the run stop now to leave a checkpoint before train.max_time_s (by this process's clock)?"""
         clock = StepClock(self.clock.step_times, self.clock.save_seconds)
-        return deadline_reached(self.train.max_time_s, self.origin, clock)
+        return deadline_reached(self.train.max_time_s, self.origin, clock, now=self.clock_now())
 
     def stop(self, reason: str, step: int, committed: bool) -> None:
         """The run stops early with its checkpoint of `step` committed (or with nothing trained yet): say why and

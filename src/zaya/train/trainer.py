@@ -93,7 +93,11 @@ class TrainerSetup:
     incidents_file: Path | None = None  # None: RUN_DIR/incidents.jsonl
     run_attempt: int = 0  # the supervisor's restart count, for incident records
     hooks: Hooks = field(default_factory=Hooks)  # heartbeats, fault injection
-    origin: float = field(default_factory=time.time)  # what train.max_time_s counts from
+    origin: float = field(default_factory=time.time)  # what train.max_time_s counts from, by `clock`
+    # the stop rules' clocks: the wall clock (deadlines) and the timer of steps and saves (their durations feed
+    # train.max_time_s and a time budget); tests give both a clock of their own
+    clock: Callable[[], float] = time.time
+    timer: Callable[[], float] = time.perf_counter
     wandb_mode: str = "online"  # with logging.wandb
     forecast: Forecast | None = None
     report_plots: Callable[[Path], dict[str, Path]] | None = None  # the report's plots, for W&B at the end
@@ -110,7 +114,8 @@ class Trainer:
         self.hooks("init", 0)
         is_main = self.launch.is_main
         self.curriculum = Curriculum(run, allow_data_change=setup.allow_data_change, resume_from=setup.resume_from)
-        self.stops = StopRules(run.train, run.schedule, run.ramp, setup.origin, is_main=is_main, say=self.log)
+        self.stops = StopRules(run.train, run.schedule, run.ramp, setup.origin, is_main=is_main, say=self.log,
+                               clock=setup.clock)
         incidents = IncidentLog(setup.incidents_file or self.run_dir / INCIDENTS_FILE)
         self.signals = TrainingSignals(setup.policy, incidents, attempt=setup.run_attempt, is_main=is_main,
                                        say=self.log)
@@ -189,11 +194,11 @@ class Trainer:
         info = {"format": ckpt.FORMAT, "version": ckpt.VERSION, "model": self.config.model.to_dict(),
                 "dtype": "float32", "precision": self.config.precision, "step": step, "mesh": self.parallel.describe()}
         async_save = self.config.checkpoint.async_save
-        started = time.perf_counter()
+        started = self.setup.timer()
         self.manager.save(step, tensors, state, info, extra_files=[self.curriculum.tokenizer], async_save=async_save,
                           on_written=lambda: self.hooks("checkpoint-written", step),
                           on_commit=lambda path: self.hooks("committed", step, path))
-        seconds = time.perf_counter() - started
+        seconds = self.setup.timer() - started
         self.stops.clock.save_seconds = seconds  # the next save's estimate, for train.max_time_s
         self.log(f"checkpoint step {step} {'staged' if async_save else 'saved'} in {seconds:.2f} s")
 
@@ -399,11 +404,11 @@ class Trainer:
             return last
         while self.progress.step < self.stops.end_step():
             synchronize(self.device)
-            started = time.perf_counter()
+            started = self.setup.timer()
             row = self.train_step()
             stop = row.pop("stop")
             synchronize(self.device)
-            seconds = time.perf_counter() - started
+            seconds = self.setup.timer() - started
             self.stops.stepped(seconds, row["batch_size"])
             self._measured(row, seconds)
             finding = self.signals.watch(self.progress.step, row)

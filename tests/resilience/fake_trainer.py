@@ -1,0 +1,46 @@
+"""A stand-in for `zaya train` under the supervisor, for the tests of the supervisor's own decisions: it reads the
+supervisor's settings from its environment as `zaya train` does, writes the same heartbeats, and fails or stops
+the way it is told, in a fraction of a second (it imports no torch).
+
+    python fake_trainer.py --steps 12 [--crash-at 4 --line "Xid ..."] [--stop-at 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from zaya.errors import EXIT_PREEMPTED, STOPPED_LINE
+from zaya.resilience.heartbeat import Heartbeat
+from zaya.resilience.supervision import Supervision
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--crash-at", type=int, default=None, help="exit 1 before this step")
+    parser.add_argument("--line", default="", help="what to print on stderr before crashing")
+    parser.add_argument("--stop-at", type=int, default=None, help="stop early after this step, as on max_time_s")
+    args = parser.parse_args()
+    beat = Heartbeat(Supervision.from_environ(os.environ).heartbeat_dir, rank=0)
+    beat("init", 0)
+    for step in range(args.steps):
+        beat("step", step)
+        if step == args.crash_at:
+            print(args.line or f"crash at step {step}", file=sys.stderr, flush=True)
+            print("RuntimeError: injected crash", file=sys.stderr, flush=True)
+            return 1
+        time.sleep(0.02)
+        if step + 1 == args.stop_at:
+            beat("checkpoint_save", step + 1)
+            print(f"{STOPPED_LINE} {step + 1} (max_time_s); exit code {EXIT_PREEMPTED}: resubmit the same command",
+                  flush=True)
+            return EXIT_PREEMPTED
+    beat("done", args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
