@@ -131,3 +131,25 @@ def test_the_console_script_exits_2_with_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "zaya.cli", "generate", "--model", str(tmp_path / "nope"),
                              "--prompt-ids", "1"], capture_output=True, text=True, timeout=120)
     _assert_one_line_error(result.returncode, result.stderr, "no such directory")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["diagnose", "--help"], ["data", "--help"]],
+                         ids=["help", "version", "diagnose", "data-help"])
+def test_the_quick_commands_import_no_torch(args):
+    """`zaya --help`, `--version` and `zaya diagnose` start without loading torch (`-X importtime` lists every
+    module a process imports)."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "zaya.cli", *args], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert "zaya.errors" in imported and "torch" not in imported
+
+
+def test_diagnose_reads_a_log_without_torch(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("[ 12.5] NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=python, GPU has fallen off the bus.\n")
+    code = (f"import runpy, sys; sys.argv = ['zaya', 'diagnose', {str(log)!r}]\n"
+            "try:\n    runpy.run_module('zaya.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "gpu_xid" in result.stdout and result.stdout.strip().endswith("False"), result.stdout + result.stderr
