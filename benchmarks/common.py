@@ -5,8 +5,12 @@ from __future__ import annotations
 import datetime
 import json
 import multiprocessing as mp
+import os
 import platform
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -60,6 +64,26 @@ def time_it(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
 def ratio_line(what: str, ours: float, peer: float, unit: str, higher_is_better: bool = True) -> str:
     ratio = ours / peer if higher_is_better else peer / ours
     return f"{what:<44} ours {ours:>12,.1f} {unit:<10} peer {peer:>12,.1f} {unit:<10} ratio {ratio:5.2f}x"
+
+
+def run_timed(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[float, str]:
+    """Run `command` in `cwd` (with `env` added to the environment): (seconds, what it printed); a failure ends
+    the benchmark with its output."""
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    seconds = time.perf_counter() - started
+    if result.returncode:
+        sys.exit(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}")
+    return seconds, result.stdout + result.stderr
+
+
+def fresh_clone(root: Path, work: Path) -> Path:
+    """A clone of `root`'s HEAD in `work`/zaya (uncommitted changes are not part of a fresh clone)."""
+    clone = work / "zaya"
+    if clone.exists():
+        shutil.rmtree(clone)
+    subprocess.run(["git", "clone", "--quiet", str(root), str(clone)], check=True)
+    return clone
 
 
 def free_port() -> int:

@@ -14,28 +14,17 @@ import argparse
 import json
 import math
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import machine  # noqa: E402
+from common import fresh_clone, machine, run_timed  # noqa: E402
 
 LIMIT_S = 600.0
 LOSS_SHARE = 0.50
-
-
-def _run(command: list[str], cwd: Path) -> tuple[float, str]:
-    started = time.perf_counter()
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
-    seconds = time.perf_counter() - started
-    if result.returncode:
-        sys.exit(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return seconds, result.stdout + result.stderr
 
 
 def main() -> None:
@@ -43,21 +32,18 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None, help="Clone into this directory and keep it.")
     args = parser.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="zaya-demo-"))
-    clone = work / "zaya"
-    if clone.exists():
-        shutil.rmtree(clone)
-    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    clone = fresh_clone(ROOT, work)
     print(machine())
-    setup_s, _ = _run(["make", ".venv/.zaya-demo"], clone)
-    demo_s, _ = _run(["make", "demo"], clone)
+    setup_s, _ = run_timed(["make", ".venv/.zaya-demo"], clone)
+    demo_s, _ = run_timed(["make", "demo"], clone)
     total = setup_s + demo_s
 
     run = clone / "runs" / "tiny"
     state = json.loads(sorted((run / "checkpoints").glob("step_*/train_state.json"))[-1].read_text())["state"]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # the demo printed it; asked again here as JSON, outside the timing
-    _, printed = _run([".venv/bin/zaya", "eval", "--model", "runs/tiny", "--data", "data/stdlib", "--seq-len", "256"],
-                      clone)
+    _, printed = run_timed([".venv/bin/zaya", "eval", "--model", "runs/tiny", "--data", "data/stdlib",
+                            "--seq-len", "256"], clone)
     loss = json.loads(printed[printed.index("{"):printed.rindex("}") + 1])["loss"]
     vocab = json.loads((run / "run_config.json").read_text())
     vocab_size = _vocab_size(vocab)

@@ -153,3 +153,13 @@ def test_diagnose_reads_a_log_without_torch(tmp_path):
             "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "gpu_xid" in result.stdout and result.stdout.strip().endswith("False"), result.stdout + result.stderr
+
+
+def test_a_run_config_loads_without_torch(tmp_path):
+    """The config sections import none of their packages' implementations (zaya.config composes them)."""
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\npreset = "micro"\n[data]\npath = "data"\n[parallel]\ncp = 2\n')
+    code = (f"import sys; from zaya.config import load_config; c = load_config({str(config)!r})\n"
+            "print(c.parallel.cp, c.model_config().hidden_size, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["2", "128", "False"], result.stdout + result.stderr

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from zaya import checkpoint
+from zaya.checkpoint.files import fresh_staging
 from zaya.data.tokenizer import TOKENIZER_FILE
 from zaya.device import resolve_device
 from zaya.errors import ZayaError
@@ -61,8 +62,7 @@ def export_hf(model: Zaya, directory: str | Path, *, tokenizer: Path | None = No
     generation files it has are written unchanged, and a training checkpoint's sequence length and dataset
     end-of-document token inform those made here (`zaya.infer.hf_files`)."""
     directory = Path(directory)
-    _fresh_output(directory)
-    tmp = directory.with_name(directory.name + ".tmp")
+    tmp = fresh_staging(directory)
     try:
         dtype = model.embed.weight.dtype
         # Routers keep their balancing biases in fp32; the HF layout stores every tensor in the model's dtype.
@@ -99,11 +99,3 @@ def convert(src: str | Path, dst: str | Path, *, layout: LayoutChoice = "auto") 
     export_hf(model, dst, tokenizer=tokenizer, source=src)
     return "zaya->hf"
 
-
-def _fresh_output(directory: Path) -> None:
-    if directory.exists():
-        raise ZayaError(f"{directory}: already exists; refusing to overwrite")
-    tmp = directory.with_name(directory.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)

@@ -1,17 +1,19 @@
-"""Typed run configuration: dataclasses loaded from TOML, with dotted `--set` overrides.
+"""Typed run configuration: the sections its packages own, composed, loaded from TOML with dotted `--set`
+overrides, validated, and resolved for a job (`RunConfig.resolve`, `zaya.train.run`).
 
-    [model]      preset = "tiny", plus any model field to override (temp_init = 1.0, ...)
-    [data]       path = "data/stdlib", seq_len, the batch ramp
-    [train]      seed, max_steps, micro_batch_size, global_batch_size, precision, clipping, eval cadence
-    [optim]      Muon + AdamW hyperparameters (zaya.optim.OptimConfig)
-    [schedule]   the learning-rate schedule of the whole run
-    [balance]    the balancing-bias controller
-    [checkpoint] dir, every, keep, async_save
-    [logging]    log_every, tensorboard, progress, Weights & Biases
-    [parallel]   the device mesh (dp_replicate, dp_shard, cp), backend, timeouts (zaya.parallel.mesh)
-    [[phases]]   optional: name, tokens, sources, seq_len, lr_scale, rope_theta, cp
+    [model]      preset = "tiny", plus any model field to override (temp_init = 1.0, ...)   zaya.model.presets
+    [data]       path = "data/stdlib", seq_len, the batch ramp, the sample order's blocks     zaya.data.config
+    [train]      seed, max_steps, batch sizes, precision, clipping, eval cadence, time limits zaya.train.config
+    [optim]      Muon + AdamW hyperparameters                                                 zaya.optim.config
+    [schedule]   the learning-rate schedule of the whole run                                  zaya.optim.schedule
+    [balance]    the balancing-bias controller                                                zaya.train.config
+    [checkpoint] dir, every, keep, async_save                                                 zaya.train.config
+    [logging]    log_every, tensorboard, progress, Weights & Biases                           zaya.train.config
+    [parallel]   the device mesh (dp_replicate, dp_shard, cp), backend, timeouts              zaya.parallel.config
+    [[phases]]   optional: name, tokens, sources, seq_len, lr_scale, rope_theta, cp           zaya.train.config
 
-Unknown keys and wrong types are errors that name the key and the file; nothing is silently ignored.
+Unknown keys and wrong types are errors that name the key and the file; nothing is silently ignored. Importing
+this module loads no torch: the sections import none of their packages' implementations.
 """
 
 from __future__ import annotations

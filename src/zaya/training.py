@@ -39,8 +39,9 @@ from zaya.train.hooks import Hooks
 from zaya.train.inputs import check_inputs, checkpoint_dir, newest_checkpoint, recorded_precision
 from zaya.train.log import RunLog
 from zaya.train.run import ResolvedRun
+from zaya.train.setup import TrainerSetup
 from zaya.train.stops import time_origin
-from zaya.train.trainer import Trainer, TrainerSetup
+from zaya.train.trainer import Trainer
 from zaya.train.wandb_sink import check_wandb, wandb_mode
 
 

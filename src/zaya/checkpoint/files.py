@@ -24,6 +24,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -199,6 +200,19 @@ def write_json(path: Path, data: dict) -> None:
         handle.write("\n")
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def fresh_staging(directory: Path) -> Path:
+    """The staging directory `directory.tmp`, made anew, for an output that appears whole under `directory`
+    (renamed into place) or not at all; refuses a `directory` that exists."""
+    directory = Path(directory)
+    if directory.exists():
+        raise ZayaError(f"{directory}: already exists; refusing to overwrite")
+    tmp = directory.with_name(directory.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
 
 
 def fsync_dir(directory: Path) -> None:

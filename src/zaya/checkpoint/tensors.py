@@ -23,6 +23,7 @@ from zaya.checkpoint.files import (
     MODEL_VERSIONS,
     VERSION,
     SafeReader,
+    fresh_staging,
     fsync_dir,
     read_json,
     read_metadata,
@@ -89,12 +90,7 @@ def save_model_checkpoint(
     """Write the model's weights as a complete single-process checkpoint into a fresh `directory`, atomically
     (via `directory.tmp`). `extra_files` (a tokenizer, say) are copied in and covered by the manifest."""
     directory = Path(directory)
-    if directory.exists():
-        raise ZayaError(f"{directory}: already exists; refusing to overwrite")
-    tmp = directory.with_name(directory.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = fresh_staging(directory)
     try:
         dcp_save({"model": model.state_dict()}, tmp)
         write_json(tmp / INFO_FILE, _checkpoint_info(config, model, world_size=1))

@@ -32,10 +32,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -48,59 +45,23 @@ from zaya.optim.schedule import set_lr_multiplier
 from zaya.parallel.comm import all_reduce
 from zaya.parallel.dtensor import clip_grad_norm_
 from zaya.parallel.fsdp import parallelize
-from zaya.parallel.launch import Launch
 from zaya.parallel.mesh import ParallelContext, init_parallel
 from zaya.resilience.findings import Finding
 from zaya.resilience.incidents import IncidentLog
-from zaya.resilience.policy import Policy
 from zaya.resilience.signals import as_ranges
 from zaya.run_dir import INCIDENTS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
 from zaya.train.balance import BalanceController, load_imbalance
 from zaya.train.checkpointing import Progress, capture, read_state, restore, train_state
-from zaya.train.hooks import Hooks
 from zaya.train.inputs import checkpoint_dir, saved_phase
 from zaya.train.log import RunLog
 from zaya.train.metrics import MetricsLogger
 from zaya.train.phases import Curriculum
 from zaya.train.run import ResolvedRun
+from zaya.train.setup import TrainerSetup
 from zaya.train.signals import TrainingSignals
 from zaya.train.stats import StepStats
 from zaya.train.stops import Clock, StopRules
 from zaya.train.wandb_sink import open_wandb
-
-
-class Forecast(Protocol):
-    """The plan beside the run (`zaya.plan.forecast`): a prediction at the start, the measurement beside it."""
-
-    def start(self, phase: int) -> str: ...
-
-    def observe(self, row: dict) -> str | None: ...
-
-
-@dataclass
-class TrainerSetup:
-    """What the trainer is given besides the resolved run: where it writes, where it runs, what it resumes, and
-    what its supervisor (or a test) installed. `zaya train` fills it in from the job and its environment
-    (`zaya.training`)."""
-
-    run_dir: Path
-    launch: Launch = field(default_factory=Launch)
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    resume_from: Path | None = None  # the newest valid checkpoint (`zaya.train.inputs.newest_checkpoint`)
-    allow_data_change: bool = False  # resume even though the data (or its order) changed
-    peak_flops: tuple[float, str] | None = None  # (FLOP/s of one device, where it came from); None: measured
-    policy: Policy = field(default_factory=Policy)  # the supervisor's, for the training signals
-    incidents_file: Path | None = None  # None: RUN_DIR/incidents.jsonl
-    run_attempt: int = 0  # the supervisor's restart count, for incident records
-    hooks: Hooks = field(default_factory=Hooks)  # heartbeats, fault injection
-    origin: float = field(default_factory=time.time)  # what train.max_time_s counts from, by `clock`
-    # the stop rules' clocks: the wall clock (deadlines) and the timer of steps and saves (their durations feed
-    # train.max_time_s and a time budget); tests give both a clock of their own
-    clock: Callable[[], float] = time.time
-    timer: Callable[[], float] = time.perf_counter
-    wandb_mode: str = "online"  # with logging.wandb
-    forecast: Forecast | None = None
-    report_plots: Callable[[Path], dict[str, Path]] | None = None  # the report's plots, for W&B at the end
 
 
 class Trainer:
