@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -13,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -84,6 +86,20 @@ def fresh_clone(root: Path, work: Path) -> Path:
         shutil.rmtree(clone)
     subprocess.run(["git", "clone", "--quiet", str(root), str(clone)], check=True)
     return clone
+
+
+@contextlib.contextmanager
+def clone_from_args(root: Path, description: str, prefix: str) -> Iterator[Path]:
+    """Parse `--keep DIR` and yield a fresh clone of `root` there, or in a temporary directory removed after."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--keep", type=Path, default=None, help="Clone into this directory and keep it.")
+    args = parser.parse_args()
+    work = args.keep or Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield fresh_clone(root, work)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def free_port() -> int:

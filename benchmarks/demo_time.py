@@ -10,29 +10,26 @@ clone), runs `make demo` there with the same `python3`, and prints the CPU model
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import fresh_clone, machine, run_timed  # noqa: E402
+from common import clone_from_args, machine, run_timed  # noqa: E402
 
 LIMIT_S = 600.0
 LOSS_SHARE = 0.50
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--keep", type=Path, default=None, help="Clone into this directory and keep it.")
-    args = parser.parse_args()
-    work = args.keep or Path(tempfile.mkdtemp(prefix="zaya-demo-"))
-    clone = fresh_clone(ROOT, work)
+    with clone_from_args(ROOT, __doc__.split("\n\n")[0], "zaya-demo-") as clone:
+        _measure(clone)
+
+
+def _measure(clone: Path) -> None:
     print(machine())
     setup_s, _ = run_timed(["make", ".venv/.zaya-demo"], clone)
     demo_s, _ = run_timed(["make", "demo"], clone)
@@ -54,8 +51,6 @@ def main() -> None:
           f"(precision {json.loads((run / 'run_config.json').read_text())['train']['precision']})")
     print(f"  held-out loss {loss:.3f} against {LOSS_SHARE:.2f} ln({vocab_size}) = {bound:.3f}: "
           f"{'ok' if loss <= bound else 'ABOVE'}; time {'ok' if total <= LIMIT_S else 'OVER'}")
-    if args.keep is None:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _vocab_size(run_config: dict) -> int:

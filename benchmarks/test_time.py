@@ -10,17 +10,14 @@ model, the times and the suite's slowest tests.
 
 from __future__ import annotations
 
-import argparse
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import fresh_clone, machine, run_timed  # noqa: E402
+from common import clone_from_args, machine, run_timed  # noqa: E402
 
 LIMIT_S = 15 * 60.0
 FAST_LIMIT_S = 5 * 60.0
@@ -28,11 +25,11 @@ CI = {"CI": "true"}  # as CI runs it
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--keep", type=Path, default=None, help="Clone into this directory and keep it.")
-    args = parser.parse_args()
-    work = args.keep or Path(tempfile.mkdtemp(prefix="zaya-test-"))
-    clone = fresh_clone(ROOT, work)
+    with clone_from_args(ROOT, __doc__.split("\n\n")[0], "zaya-test-") as clone:
+        _measure(clone)
+
+
+def _measure(clone: Path) -> None:
     print(machine())
     setup_s, _ = run_timed(["make", "setup"], clone, CI)
     test_s, output = run_timed(["make", "test"], clone, CI)
@@ -48,8 +45,6 @@ def main() -> None:
           f"{FAST_LIMIT_S / 60:.0f} min): {'ok' if fast_s <= FAST_LIMIT_S else 'OVER'}")
     durations = output[output.find("slowest"):].splitlines()[1:11]
     print("  slowest tests:\n    " + "\n    ".join(line.strip() for line in durations if line.strip()))
-    if args.keep is None:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
