@@ -14,8 +14,9 @@ import argparse
 import time
 
 from common import header
-from zaya.plan.shapes import DEFAULT_BUDGET_S, DEFAULT_TOKENS, sweep
+from zaya.plan.shapes import sweep
 from zaya.plan.shapes_report import format_recommendations, format_skipped, format_table, recommend
+from zaya.plan.sweep_defaults import DEFAULT_BUDGET_S, DEFAULT_TOKENS
 
 
 def main() -> None:

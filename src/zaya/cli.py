@@ -280,7 +280,6 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, a
     # every rank checks its config and inputs; bad input on any of them stops all of them, reported once
     with launch.startup():
         config = load_config(config_path, list(overrides))
-        launch.init_timeout_s = config.parallel.init_timeout_s
         job = TrainingJob.check(config, run_dir, launch=launch, environ=os.environ,
                                 allow_data_change=allow_data_change)
     trainer = job.trainer()

@@ -99,7 +99,7 @@ class RunConfig:
         ramp = ramp_for(self.data.ramp_start, self.data.ramp_increment, train.global_batch_size,
                         self.data.ramp_samples)
         return ResolvedRun(self.source, world_size, resolved.model_config(), tuple(resolved.resolved_phases()), ramp,
-                           precision, train, self.data, optim, self.schedule, self.balance, self.checkpoint,
+                           train, self.data, optim, self.schedule, self.balance, self.checkpoint,
                            self.logging, self.parallel, resolved.to_dict())
 
 

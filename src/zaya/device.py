@@ -5,6 +5,8 @@ ROCm builds of PyTorch expose AMD GPUs through the `torch.cuda` namespace, so "c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -186,6 +188,12 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return None
 
 
+# how long a start-up measures the peak for its MFU figure: every start of every rank pays it, and 0.1 s reads
+# within the 0.5 s measurement's own run-to-run spread on CPUs (126-160 against 126-142 GFLOP/s on one machine);
+# `zaya shapes` measures the peak properly
+STARTUP_MEASURE_S = 0.1
+
+
 def measure_matmul_flops(
     device: torch.device, dtype: torch.dtype, size: int = 2048, seconds: float = 0.5
 ) -> float:
@@ -227,6 +235,12 @@ def fast_bf16_matmul(device: torch.device) -> bool:
     return bf16 >= 0.5 * fp32
 
 
+def auto_precision(device: torch.device, fast_bf16: Callable[[torch.device], bool] = fast_bf16_matmul) -> str:
+    """What `train.precision = "auto"` is on `device`: bf16 where its bf16 matmuls are fast (`fast_bf16`), else
+    fp32."""
+    return "bf16" if fast_bf16(device) else "fp32"
+
+
 def default_gemm_dtype(device: torch.device) -> torch.dtype:
     """The dtype `zaya shapes` measures in by default: bf16 on an accelerator, fp32 on a CPU (CPUs without
     native bf16 instructions multiply bf16 ~100x slower than fp32: 1.1 against 122 GFLOP/s measured on a
@@ -236,8 +250,9 @@ def default_gemm_dtype(device: torch.device) -> torch.dtype:
 
 def device_label(device: torch.device) -> str:
     """What `device` is, for tables and logs: the GPU's name, or the CPU's model name."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+    name = accelerator_name(device)
+    if name is not None:
+        return name
     import platform
 
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from zaya.config import RunConfig
-from zaya.device import fast_bf16_matmul, rank_device, resolve_device
+from zaya.device import auto_precision, fast_bf16_matmul, rank_device, resolve_device
 from zaya.errors import ZayaError
 from zaya.parallel.launch import Launch
 from zaya.parallel.mesh import backend_for
@@ -42,7 +42,7 @@ from zaya.train.run import ResolvedRun
 from zaya.train.setup import TrainerSetup
 from zaya.train.stops import time_origin
 from zaya.train.trainer import Trainer
-from zaya.train.wandb_sink import check_wandb, wandb_mode
+from zaya.train.wandb_sink import check_wandb
 
 
 @dataclass
@@ -68,6 +68,7 @@ class TrainingJob:
         """Resolve and check the run on this rank (inside the job's start-up check: a `ZayaError` here stops every
         rank). `measure_bf16` says whether bf16 matmuls are fast on the device (`zaya.device.fast_bf16_matmul`)."""
         train = config.train
+        launch.init_timeout_s = config.parallel.init_timeout_s  # how long the start-up check waits for the others
         device = rank_device(resolve_device(None if train.device == "auto" else train.device), launch.local_rank)
         supervision = Supervision.from_environ(environ)
         policy = Policy.load(supervision.policy_file)
@@ -78,7 +79,7 @@ class TrainingJob:
         recorded = recorded_precision(resume_from) if train.precision == "auto" else None
         precision = train.precision
         if precision == "auto":
-            precision = recorded or ("bf16" if measure_bf16(device) else "fp32")
+            precision = recorded or auto_precision(device, measure_bf16)
             _check_compile(config, precision, device)
         run = config.resolve(launch.world_size, precision)
         run.check_job()
@@ -105,14 +106,13 @@ class TrainingJob:
                                    run=supervision.run_attempt, line=supervision.fault_line)
             listeners.append(faults)
             scales.append(faults.loss_factor)
-        dtype = "bf16" if run.precision == "bf16" else "fp32"
-        table = default_table_path(dtype, cache_dir(self.environ))
+        table = default_table_path(run.precision, cache_dir(self.environ))
         trainer_setup = TrainerSetup(
             self.run_dir, launch, self.device, resume_from=self.resume_from, allow_data_change=self.allow_data_change,
-            peak_flops=peak_flops(self.device, torch.bfloat16 if dtype == "bf16" else torch.float32),
+            peak_flops=peak_flops(self.device, torch.bfloat16 if run.precision == "bf16" else torch.float32),
             policy=self.policy, incidents_file=supervision.incidents_file, run_attempt=supervision.run_attempt,
             hooks=Hooks(listeners, scales), origin=time_origin(self.environ),
-            wandb_mode=wandb_mode(run.logging, self.environ.get("WANDB_MODE", "")),
+            wandb_environ_mode=self.environ.get("WANDB_MODE", ""),
             forecast=Forecast.for_run(run, self.device, launch.local_world_size, table), report_plots=report_plots,
         )
         return Trainer(run, dataclasses.replace(trainer_setup, **setup))

@@ -22,9 +22,7 @@ from pathlib import Path
 from zaya import checkpoint
 from zaya.errors import ZayaError
 from zaya.infer.loading import model_dir_kind, resolve_model_dir
-from zaya.run_dir import CHECKPOINTS_DIR, EVALS_DIR, EVALS_FILE
-
-RESULTS_DIR = EVALS_DIR
+from zaya.run_dir import CHECKPOINTS_DIR, EVALS_FILE
 
 
 def run_dir_of(model_path: str | Path) -> Path | None:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from zaya.errors import ZayaError
-from zaya.evals.records import RESULTS_DIR, append_record, checkpoint_step, lm_eval_record, run_dir_of, task_metrics
+from zaya.evals.records import append_record, checkpoint_step, lm_eval_record, run_dir_of, task_metrics
+from zaya.run_dir import EVALS_DIR
 
 INSTALL_HINT = "pip install 'zaya-stack[eval]'"
 
@@ -131,7 +132,7 @@ def _results_path(model: Path, run_dir: Path | None, step: int | None) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%S")
     name = f"lm_eval-{f'step_{step:08d}-' if step is not None else ''}{stamp}"
     if run_dir is not None:
-        base = run_dir / RESULTS_DIR / name
+        base = run_dir / EVALS_DIR / name
     else:
         base = model.resolve().parent / f"{model.resolve().name}.{name}"
     path, n = base.with_name(base.name + ".json"), 1

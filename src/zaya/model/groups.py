@@ -25,7 +25,7 @@ from zaya.model.layers import EmbeddingScaling, ResidualScaling, RMSNorm
 from zaya.model.moe import Experts
 from zaya.model.router import ZayaRouter
 
-ROLES = ("matrix", "weight", "vector")
+# each group and its role: "matrix" (a 2-D weight for Muon), "weight" (AdamW, decayed), "vector" (AdamW)
 GROUPS = {
     "attention": "matrix",
     "router": "matrix",

@@ -54,16 +54,16 @@ class OptimConfig:
     def validate(self, source: str = "optimizer config") -> None:
         """Raise `ZayaError` naming the first field that cannot configure the optimizer."""
         for name in ("lr", "adamw_eps", "ns_eps"):
-            if not _positive(getattr(self, name)):
+            if not positive_number(getattr(self, name)):
                 raise ZayaError(f"{source}: field '{name}' must be a positive number, got {getattr(self, name)!r}")
-        if self.adamw_lr is not None and not _positive(self.adamw_lr):
+        if self.adamw_lr is not None and not positive_number(self.adamw_lr):
             raise ZayaError(f"{source}: field 'adamw_lr' must be a positive number or null, got {self.adamw_lr!r}")
-        if not _number(self.weight_decay) or self.weight_decay < 0:
+        if not finite_number(self.weight_decay) or self.weight_decay < 0:
             raise ZayaError(f"{source}: field 'weight_decay' must be a non-negative number, got {self.weight_decay!r}")
         betas = self.adamw_betas
-        if not isinstance(betas, tuple) or len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+        if not isinstance(betas, tuple) or len(betas) != 2 or not all(finite_number(b) and 0 <= b < 1 for b in betas):
             raise ZayaError(f"{source}: field 'adamw_betas' must be two numbers in [0, 1), got {betas!r}")
-        if not _number(self.momentum) or not 0 <= self.momentum < 1:
+        if not finite_number(self.momentum) or not 0 <= self.momentum < 1:
             raise ZayaError(f"{source}: field 'momentum' must be in [0, 1), got {self.momentum!r}")
         for name in ("nesterov", "decay_vectors"):
             if not isinstance(getattr(self, name), bool):
@@ -71,7 +71,7 @@ class OptimConfig:
         if not isinstance(self.ns_steps, int) or isinstance(self.ns_steps, bool) or not 1 <= self.ns_steps < 100:
             raise ZayaError(f"{source}: field 'ns_steps' must be an integer in 1..99, got {self.ns_steps!r}")
         coefficients = self.ns_coefficients
-        if not isinstance(coefficients, tuple) or len(coefficients) != 3 or not all(map(_number, coefficients)):
+        if not isinstance(coefficients, tuple) or len(coefficients) != 3 or not all(map(finite_number, coefficients)):
             raise ZayaError(f"{source}: field 'ns_coefficients' must be three numbers (a, b, c), got {coefficients!r}")
         choices = {"ns_dtype": NS_DTYPE_NAMES, "ns_backend": NS_BACKENDS, "adjust_lr_fn": ADJUST_LR_FNS}
         for name, allowed in choices.items():
@@ -100,17 +100,10 @@ class OptimConfig:
         return config
 
 
-def _number(value: Any) -> bool:
+def finite_number(value: Any) -> bool:
+    """An int or float (not a bool), finite."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _positive(value: Any) -> bool:
-    return _number(value) and value > 0
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _positive(value: Any) -> bool:
-    return _number(value) and value > 0
+def positive_number(value: Any) -> bool:
+    return finite_number(value) and value > 0

@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam
 
 from zaya.errors import ZayaError
-from zaya.optim.config import OptimConfig, _number, _positive
+from zaya.optim.config import OptimConfig, finite_number, positive_number
 from zaya.optim.muon import dtype_name, muon_defaults, muon_step, run_closure, validate_muon_group
 from zaya.optim.ns_iteration import Workspace
 from zaya.parallel.comm import CommCounter
@@ -163,12 +163,13 @@ class MuonAdamW(Optimizer):
 
 def _validate_adamw_group(group: MutableMapping[str, Any], where: str) -> None:
     for name in ("lr", "weight_decay"):
-        if not _number(group[name]) or group[name] < 0:
+        if not finite_number(group[name]) or group[name] < 0:
             raise ZayaError(f"{where}: '{name}' must be a non-negative number, got {group[name]!r}")
-    if not _positive(group["eps"]):
+    if not positive_number(group["eps"]):
         raise ZayaError(f"{where}: 'eps' must be a positive number, got {group['eps']!r}")
     betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+            or not all(finite_number(b) and 0 <= b < 1 for b in betas)):
         raise ZayaError(f"{where}: 'betas' must be two numbers in [0, 1), got {betas!r}")
 
 

@@ -1,2 +1,3 @@
-"""Parallelism, applied from outside to a plain single-device model: the device mesh, FSDP2 / HSDP,
-distributed Muon (owner ranks), and the accounting of what goes over the wire."""
+"""Parallelism, applied from outside to a plain single-device model: the device mesh, FSDP2 / HSDP, context
+parallelism, and the accounting of what goes over the wire (distributed Muon's owner ranks are
+`zaya.optim.distributed`)."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zaya.device import accelerator_name, default_device, default_gemm_dtype, measure_matmul_flops
+from zaya.device import STARTUP_MEASURE_S, accelerator_name, measure_matmul_flops
 from zaya.errors import ZayaError
 
 if TYPE_CHECKING:
@@ -171,23 +171,12 @@ def device_names() -> list[str]:
     return [*DEVICES, "local"]
 
 
-def get_device(name: str, table: EfficiencyTable | None = None, *, dtype: str | None = None,
-               cache: Path | None = None) -> DeviceSpec:
-    """The device called `name` (lower case). "local" is built from a measured table: `table`, or the one
-    `zaya shapes` wrote for `dtype` (default: this machine's default GEMM dtype) under the cache directory
-    `cache` (`zaya.plan.table.cache_dir`)."""
+def get_device(name: str, table: EfficiencyTable | None = None) -> DeviceSpec:
+    """The device called `name` (lower case). "local" is built from `table`, the one `zaya shapes` measured
+    (`zaya.plan.plan_cli.load_target` finds it)."""
     if name == "local":
         if table is None:
-            from zaya.plan.table import EfficiencyTable, default_table_path, dtype_name
-
-            if dtype is None:
-                dtype = dtype_name(default_gemm_dtype(default_device()))
-            if cache is None:
-                raise ZayaError("the local device needs its measured table, or the cache directory that holds it")
-            path = default_table_path(dtype, cache)
-            if not path.is_file():
-                raise ZayaError(f"no measured table for the local device at {path}: run `zaya shapes` first")
-            table = EfficiencyTable.load(path)
+            raise ZayaError("the local device needs its measured table: run `zaya shapes` first")
         return local_device(table)
     if name not in DEVICES:
         hint = f"; names are lower-case: '{name.lower()}'" if name.lower() in device_names() else ""
@@ -235,13 +224,13 @@ def match_device(torch_device_name: str) -> DeviceSpec | None:
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """(FLOP/s, source): the published dense peak of a known GPU in bf16 or fp16 (`match_device`), else a
-    measurement on this device (`zaya.device.measure_matmul_flops`)."""
+    short measurement on this device (`zaya.device.measure_matmul_flops`, for `STARTUP_MEASURE_S`)."""
     name = accelerator_name(device)
     if name is not None and dtype in (torch.bfloat16, torch.float16):
         spec = match_device(name)
         if spec is not None:
             return spec.peak_flops["bf16"], f"table ({name})"
-    return measure_matmul_flops(device, dtype), "measured"
+    return measure_matmul_flops(device, dtype, seconds=STARTUP_MEASURE_S), "measured"
 
 
 def describe_devices(cache: Path) -> str:

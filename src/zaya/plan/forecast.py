@@ -103,7 +103,6 @@ def _target(run: ResolvedRun, device: torch.device, table_path: Path):
     """(DeviceSpec, measured table or None, note) for the device the run trains on."""
     from zaya.plan.table import EfficiencyTable
 
-    dtype = "bf16" if run.precision == "bf16" else "fp32"
     if table_path.is_file():
         table = EfficiencyTable.load(table_path)
         if table.device.split(":")[0] == device.type:
@@ -119,4 +118,4 @@ def _target(run: ResolvedRun, device: torch.device, table_path: Path):
     # no figures for this device: memory alone (its size is known), no time
     spec = DeviceSpec("local", device_label(device), {"bf16": 1.0, "fp32": 1.0}, device_memory_bytes(device), 1.0,
                       1.0, 1.0, 1, 1.0, ())
-    return spec, None, f"no step-time prediction: `zaya shapes --dtype {dtype}` measures this device"
+    return spec, None, f"no step-time prediction: `zaya shapes --dtype {run.precision}` measures this device"

@@ -109,7 +109,7 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
     """Predict memory per GPU, communication, step time, MFU and run time of a training config."""
     from zaya.config import load_config
     from zaya.plan.devices import describe_devices
-    from zaya.plan.planner import auto_precision, plan_run
+    from zaya.plan.planner import plan_precision, plan_run
     from zaya.plan.search import describe, search_layouts, smallest_fit
     from zaya.plan.table import cache_dir
 
@@ -121,7 +121,7 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
         raise ZayaError("give a run config (zaya plan CONFIG), or --devices")
     config = load_config(config_path, list(overrides))
     # as the trainer would resolve `auto` on the target
-    precision = auto_precision(device_name) if config.train.precision == "auto" else config.train.precision
+    precision = plan_precision(device_name) if config.train.precision == "auto" else config.train.precision
     device, table = load_target(device_name, precision, table_path, cache)
     if gpus < 1:
         raise ZayaError(f"--gpus must be at least 1, got {gpus}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zaya.device import default_accelerator, fast_bf16_matmul, grouped_mm_row_multiple, loss_chunk_logits
+from zaya.device import auto_precision, default_accelerator, grouped_mm_row_multiple, loss_chunk_logits
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
 from zaya.model.flops import training_flops_per_token
@@ -225,12 +225,10 @@ def schedule(run: ResolvedRun) -> list[list[tuple[int, int]]]:
     return result
 
 
-def auto_precision(device_name: str) -> str:
+def plan_precision(device_name: str) -> str:
     """`train.precision = "auto"` on the device of that name: bf16 on a GPU; on this machine (`local`) what the
     trainer picks."""
-    if device_name != "local":
-        return "bf16"
-    return "bf16" if fast_bf16_matmul(torch.device("cpu")) else "fp32"
+    return auto_precision(torch.device("cpu")) if device_name == "local" else "bf16"
 
 
 def plan_run(run: ResolvedRun, device: DeviceSpec, table=None, gpus_per_node: int | None = None,
@@ -264,9 +262,9 @@ def plan_run(run: ResolvedRun, device: DeviceSpec, table=None, gpus_per_node: in
                 if index == 0 and layout.dp_replicate * layout.dp_shard * layout.cp != gpus:
                     raise ZayaError(f"{run.source}: dp_replicate x dp_shard x cp = {layout.dp_replicate} x "
                                     f"{layout.dp_shard} x {layout.cp} is not {gpus} GPUs")
-            if mesh.cp > 1:
+                # the run's own mesh was checked by `run.mesh`; this one is new
                 problem = sequence_split_problem(phase.seq_len, mesh.cp, run.parallel.cp_sharding,
-                                                 min_chunk=model.conv_padding)
+                                                 min_chunk=model.conv_padding) if mesh.cp > 1 else None
                 if problem:
                     raise ZayaError(f"{run.source}: seq_len {phase.seq_len} over cp = {mesh.cp}: {problem}")
         except ZayaError as exc:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from zaya.errors import ZayaError
 from zaya.plan.gemms import GemmShape, ModelDims, plan_sweep
+from zaya.plan.sweep_defaults import DEFAULT_BUDGET_S, DEFAULT_SEQ_LENS, DEFAULT_SHAPE_CAP_S, DEFAULT_TOKENS
 from zaya.plan.table import (
     DTYPES,
     EfficiencyTable,
@@ -34,12 +35,6 @@ from zaya.plan.table import (
     gemm_bytes,
     torch_dtype,
 )
-
-DEFAULT_TOKENS = (1024, 2048, 4096, 8192)
-DEFAULT_SEQ_LENS = (256, 512, 1024, 2048, 4096)
-DEFAULT_BUDGET_S = 60.0
-DEFAULT_SHAPE_CAP_S = 2.0
-
 
 # ---- timing ---------------------------------------------------------------------------------------------
 

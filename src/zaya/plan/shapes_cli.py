@@ -14,11 +14,7 @@ from pathlib import Path
 import click
 
 from zaya.errors import ZayaError
-
-# the sweep's defaults, as its help shows them (zaya.plan.shapes; written here so that `zaya --help` imports no
-# torch, and checked against it by the tests)
-DEFAULT_TOKENS = (1024, 2048, 4096, 8192)
-DEFAULT_BUDGET_S = 60.0
+from zaya.plan.sweep_defaults import DEFAULT_BUDGET_S, DEFAULT_TOKENS
 
 
 def _parse_tokens(text: str | None) -> list[int] | None:

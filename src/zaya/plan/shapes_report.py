@@ -18,7 +18,7 @@ from zaya.plan.gemms import (
     reference_tokens,
     variant_values,
 )
-from zaya.plan.shapes import DEFAULT_SEQ_LENS, DEFAULT_TOKENS
+from zaya.plan.sweep_defaults import DEFAULT_SEQ_LENS, DEFAULT_TOKENS
 from zaya.plan.table import EfficiencyTable, GemmRecord
 
 # which GEMMs change with each dimension a sweep varies

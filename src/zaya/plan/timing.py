@@ -47,7 +47,7 @@ ELEMENTWISE_PASSES = 4
 
 
 class Rates(Protocol):
-    """What the time model asks of a device (`zaya.plan.shapes.EfficiencyTable`, or `RooflineRates`)."""
+    """What the time model asks of a device (`zaya.plan.table.EfficiencyTable`, or `RooflineRates`)."""
 
     memory_bandwidth: float
     op_overhead_s: float

@@ -36,7 +36,10 @@ ENV = "ZAYA_FAULTS"  # named in messages; zaya.resilience.supervision reads it
 ACTIONS = ("sigkill", "raise", "sigstop", "sigterm", "sigusr1", "slow", "nan", "spike", "corrupt", "print")
 VALUED = {"slow": 0.5, "spike": 8.0}  # actions that take a value, and its default
 EVENTS = ("step", "checkpoint", "checkpoint-written", "committed")
-_TRAINER_EVENTS = {"checkpoint_save": "checkpoint"}  # the trainer's name of an event, where it differs
+# the trainer's events a fault can fire at, by their name here; "step-work" is inside the step's timed host work,
+# so that a `slow` rank shows as a straggler
+_TRAINER_EVENTS = {"step-work": "step", "checkpoint_save": "checkpoint", "checkpoint-written": "checkpoint-written",
+                   "committed": "committed"}
 
 
 class InjectedFault(RuntimeError):
@@ -89,11 +92,10 @@ class FaultInjector:
         self.line = line  # what `print` prints
         self._fired: set[Fault] = set()
 
-    def __bool__(self) -> bool:
-        return bool(self.faults)
-
     def __call__(self, event: str, step: int, path: Path | None = None) -> None:
-        event = _TRAINER_EVENTS.get(event, event)
+        event = _TRAINER_EVENTS.get(event)
+        if event is None:
+            return
         for fault in self.faults:
             if fault.event != event:
                 continue

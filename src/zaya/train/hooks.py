@@ -3,7 +3,9 @@
 
 The events, as the trainer announces them (`step` is the number of completed optimizer steps):
 
-    init, checkpoint_load, step, eval, checkpoint_save, done   entering each section of the run
+    init, checkpoint_load, step, eval, checkpoint_save, done   entering each section of the run (`step` before
+                                                               the step's clocks start)
+    step-work                                                  the step's own host work begins (timed as such)
     checkpoint-written                                         a checkpoint's files are written, not committed
     committed                                                  a checkpoint is committed (`path` names it)
 """

@@ -140,14 +140,11 @@ class MetricsLogger:
         if not self.enabled or self._sink is None:
             return
         try:
-            images = plots()
+            self._sink.log_images(plots())
         except ImportError as exc:
             self.message(f"W&B: no report plots ({exc})")
-            return
-        except Exception as exc:  # the run itself is done and saved: a plot must not fail it
+        except Exception as exc:  # the run itself is done and saved: neither a plot nor its upload may fail it
             self.message(f"W&B: the report plots failed ({type(exc).__name__}: {exc}); training is unaffected")
-            return
-        self._sink.log_images(images)
 
     def close(self) -> None:
         """Close the bar, TensorBoard, the log and the sink (which marks its run failed if an exception is being

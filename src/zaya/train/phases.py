@@ -26,13 +26,12 @@ from zaya.train.run import ResolvedRun
 
 
 class Curriculum:
-    """The phases of `run` and the one being trained (see the module docstring). `resume_from` names the
-    checkpoint a loader state came from, for messages; `allow_data_change` lets a resume go on in another order."""
+    """The phases of `run` and the one being trained (see the module docstring). `allow_data_change` lets a resume
+    go on in another order."""
 
-    def __init__(self, run: ResolvedRun, *, allow_data_change: bool = False, resume_from: Path | None = None):
-        self.run, self.allow_data_change, self.resume_from = run, allow_data_change, resume_from
-        self.loader: TokenLoader | None = None
-        self.loader_phase = -1  # the phase the loader reads for
+    def __init__(self, run: ResolvedRun, *, allow_data_change: bool = False):
+        self.run, self.allow_data_change = run, allow_data_change
+        self.loader: TokenLoader | None = None  # the current phase's; None between phases
         self.tokenizer: Path | None = None  # the current phase's tokenizer.json, which checkpoints carry
         self.sequence: ContextParallel | None = None  # the cp split of the current phase (None: unsplit)
         self.flops_per_token = 0.0
@@ -40,18 +39,19 @@ class Curriculum:
     def phase(self, progress: Progress) -> Phase:
         return self.run.phases[progress.phase]
 
-    def enter(self, progress: Progress, model: Zaya, parallel: ParallelContext) -> None:
-        """Set everything that follows from the current phase: its loader (where the run left it), its RoPE base,
-        its FLOPs per token and its split of sequences."""
+    def enter(self, progress: Progress, model: Zaya, parallel: ParallelContext, checkpoint: Path | None) -> None:
+        """Set everything that follows from the current phase: its loader (where the run left it: `progress`, from
+        `checkpoint` if restored, named in messages), its RoPE base, its FLOPs per token and its split of
+        sequences."""
         phase = self.phase(progress)
         self.close()
-        self.loader = self._loader(progress, parallel)
+        self.loader = self._loader(progress, parallel, checkpoint)
         if phase.rope_theta:
             model.set_rope_theta(phase.rope_theta)
         self.flops_per_token = training_flops_per_token(self.run.model, phase.seq_len)
         self.sequence = self._sequence(phase, parallel)
 
-    def _loader(self, progress: Progress, parallel: ParallelContext) -> TokenLoader:
+    def _loader(self, progress: Progress, parallel: ParallelContext, checkpoint: Path | None) -> TokenLoader:
         phase, data = self.phase(progress), self.run.data
         loader = TokenLoader([(s.path, s.weight) for s in phase.sources], phase.seq_len, self.run.train.seed,
                              rank=parallel.dp_rank, world_size=parallel.dp_size, block_size=data.block_size,
@@ -63,12 +63,12 @@ class Curriculum:
             except ZayaError as error:
                 if not self.allow_data_change:
                     loader.close()
-                    raise ZayaError(f"{self.resume_from}: {error}; pass --allow-data-change to continue in this "
+                    raise ZayaError(f"{checkpoint}: {error}; pass --allow-data-change to continue in this "
                                     "config's order") from None
                 loader.load_state_dict({**loader.state_dict(), "consumed_samples": saved["consumed_samples"],
                                         "skip_ranges": saved.get("skip_ranges", [])})
         progress.fingerprints[phase.name] = [d.fingerprint for d in loader.datasets]
-        self.loader_phase, self.tokenizer = progress.phase, loader.datasets[0].tokenizer_path
+        self.tokenizer = loader.datasets[0].tokenizer_path
         return loader
 
     def _sequence(self, phase: Phase, parallel: ParallelContext) -> ContextParallel | None:
@@ -81,9 +81,9 @@ class Curriculum:
         return ContextParallel(layout, parallel.cp_group, self.run.parallel.cp_kernel, parallel.counter)
 
     def keep_loader_state(self, progress: Progress) -> None:
-        """Put the loader's position into the progress (what a checkpoint saves), unless the loader is still the
-        previous phase's (at a move to a new mesh, between the phases' loaders)."""
-        if self.loader is not None and self.loader_phase == progress.phase:
+        """Put the loader's position into the progress (what a checkpoint saves), unless there is none (at a move
+        to a new mesh, between the phases' loaders: `advance` kept the last one's)."""
+        if self.loader is not None:
             progress.loaders[self.phase(progress).name] = self.loader.state_dict()
 
     def done_with(self, progress: Progress) -> bool:

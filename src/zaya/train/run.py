@@ -46,8 +46,7 @@ class ResolvedRun:
     model: ZayaConfig
     phases: tuple[Phase, ...]  # every field filled in: sources, seq_len, cp
     ramp: BatchRamp
-    precision: str  # "bf16" or "fp32"; never "auto"
-    train: TrainSection  # its precision resolved
+    train: TrainSection  # its precision resolved: "bf16" or "fp32", never "auto"
     data: DataSection
     optim: OptimConfig  # Newton-Schulz in fp32 where `auto` chose fp32
     schedule: ScheduleConfig
@@ -60,12 +59,13 @@ class ResolvedRun:
     def mesh(self, phase: int) -> MeshShape:
         """Phase `phase`'s mesh on `world_size` ranks, after checking that its batches split over its
         data-parallel ranks and its sequences into its cp chunks (a ZayaError names the key that does not fit)."""
-        replicate, shard, cp = self.parallel_of(phase).shape(self.world_size, self.source)
+        shape = MeshShape(*self.parallel_of(phase).shape(self.world_size, self.source))
+        cp = shape.cp
         for size in self.ramp.sizes():
-            if size % (replicate * shard):
+            if size % shape.dp:
                 key = "train.global_batch_size" if size == self.train.global_batch_size else "data.ramp_start"
                 raise ZayaError(f"{self.source}: key '{key}': a global batch of {size} sequences does not divide "
-                                f"evenly over the {replicate * shard} data-parallel ranks (parallel.dp_replicate "
+                                f"evenly over the {shape.dp} data-parallel ranks (parallel.dp_replicate "
                                 f"x dp_shard, with cp = {cp})")
         if cp > 1:
             configured = self.record.get("phases") or []
@@ -76,7 +76,7 @@ class ResolvedRun:
             if problem:
                 raise ZayaError(f"{self.source}: key '{key}' = {seq_len} with parallel.cp = {cp} ({sharding} "
                                 f"sharding): {problem}")
-        return MeshShape(replicate, shard, cp)
+        return shape
 
     def check_job(self) -> None:
         """Every phase fits the job (`mesh`), and every batch of the ramp splits into micro-batches."""
@@ -87,6 +87,11 @@ class ResolvedRun:
     def parallel_of(self, phase: int) -> ParallelConfig:
         """`[parallel]` with phase `phase`'s context-parallel size."""
         return dataclasses.replace(self.parallel, cp=self.phases[phase].cp)
+
+    @property
+    def precision(self) -> str:
+        """"bf16" or "fp32": `train.precision` as resolved."""
+        return self.train.precision
 
     @property
     def parallelize(self) -> ParallelizeConfig:

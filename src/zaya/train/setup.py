@@ -45,6 +45,6 @@ class TrainerSetup:
     # train.max_time_s and a time budget); tests give both a clock of their own
     clock: Callable[[], float] = time.time
     timer: Callable[[], float] = time.perf_counter
-    wandb_mode: str = "online"  # with logging.wandb
+    wandb_environ_mode: str = ""  # the environment's WANDB_MODE (logging.wandb_mode wins over it)
     forecast: Forecast | None = None
     report_plots: Callable[[Path], dict[str, Path]] | None = None  # the report's plots, for W&B at the end

@@ -39,21 +39,22 @@ class StepStats:
         return 8 * sum(shape.numel() for shape, _, _ in self._fields.values())
 
     def reduce(self, all_reduce: Callable[[torch.Tensor], None]) -> dict[str, torch.Tensor]:
-        """Every field summed over the ranks (float64, in its shape; per-rank fields as [world_size])."""
-        packed = torch.zeros(self.nbytes // 8, dtype=torch.float64, device=self.device)
-        offset = 0
+        """Every field summed over the ranks (float64, in its shape; per-rank fields as [world_size]), on the host:
+        the numbers go to the device in one copy and come back in one, whatever the number of fields."""
+        numbers = torch.zeros(self.nbytes // 8, dtype=torch.float64)  # the buffer, with the tensors' places empty
+        tensors, offset = [], 0
         for shape, value, slot in self._fields.values():
-            size = shape.numel()
-            if slot is not None:
-                packed[offset + slot] = value
-            elif isinstance(value, torch.Tensor):
-                packed[offset:offset + size] = value.flatten()
+            if isinstance(value, torch.Tensor):
+                tensors.append((offset, value))
             else:
-                packed[offset] = value
-            offset += size
+                numbers[offset + (slot or 0)] = value
+            offset += shape.numel()
+        packed = numbers.to(self.device, non_blocking=True)
+        for start, value in tensors:
+            packed[start:start + value.numel()] = value.flatten()
         all_reduce(packed)
-        out, offset = {}, 0
+        host, out, offset = packed.cpu(), {}, 0
         for name, (shape, _, _) in self._fields.items():
-            out[name] = packed[offset:offset + shape.numel()].view(shape)
+            out[name] = host[offset:offset + shape.numel()].view(shape)
             offset += shape.numel()
         return out

@@ -28,6 +28,7 @@ written on any number of ranks, and on the CPU continues bitwise-identically on 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import threading
@@ -37,7 +38,14 @@ from pathlib import Path
 import torch
 
 from zaya import checkpoint as ckpt
-from zaya.device import measure_matmul_flops, peak_memory_bytes, synchronize, tune_host_allocator, vendor
+from zaya.device import (
+    STARTUP_MEASURE_S,
+    measure_matmul_flops,
+    peak_memory_bytes,
+    synchronize,
+    tune_host_allocator,
+    vendor,
+)
 from zaya.errors import StartupFailed, ZayaError
 from zaya.model.transformer import RouterStats, Zaya
 from zaya.optim.hybrid import build_optimizer, describe_param_groups
@@ -74,7 +82,7 @@ class Trainer:
         self.log = RunLog(self.run_dir, self.launch.rank)
         self.hooks("init", 0)
         is_main = self.launch.is_main
-        self.curriculum = Curriculum(run, allow_data_change=setup.allow_data_change, resume_from=setup.resume_from)
+        self.curriculum = Curriculum(run, allow_data_change=setup.allow_data_change)
         self.stops = StopRules(run.train, run.schedule, run.ramp, setup.origin, is_main=is_main, say=self.log,
                                clock=setup.clock)
         incidents = IncidentLog(setup.incidents_file or self.run_dir / INCIDENTS_FILE)
@@ -121,7 +129,7 @@ class Trainer:
         if self.resume_from is not None:
             self.hooks("checkpoint_load", 0)
             self._restore(self.resume_from)
-        self.curriculum.enter(self.progress, self.model, self.parallel)
+        self.curriculum.enter(self.progress, self.model, self.parallel, self.resume_from)
 
     def _open_metrics(self) -> None:
         """The metrics logger, with its W&B sink when `logging.wandb` asks for one: a W&B run rank 0 cannot open
@@ -130,7 +138,8 @@ class Trainer:
         sink, failure = None, None
         if self.launch.is_main:
             try:
-                sink = open_wandb(self.run_dir, logging, self.config.record, self.progress.step, self.setup.wandb_mode)
+                sink = open_wandb(self.run_dir, logging, self.config.record, self.progress.step,
+                                  self.setup.wandb_environ_mode)
             except ZayaError as exc:
                 failure = exc
         if logging.wandb:
@@ -187,7 +196,7 @@ class Trainer:
         self.hooks("checkpoint_load", step)
         self.metrics.close()
         self._restore(target)
-        self.curriculum.enter(self.progress, self.model, self.parallel)
+        self.curriculum.enter(self.progress, self.model, self.parallel, target)
         if self.curriculum.phase(self.progress).name == phase and stop > start:
             self.curriculum.loader.add_skip_range(start, stop)
         self.signals.windows = []
@@ -205,7 +214,7 @@ class Trainer:
                  f"'{nxt.name}' (seq_len {nxt.seq_len}{f', rope_theta {nxt.rope_theta:g}' if nxt.rope_theta else ''}"
                  f"{f', cp {nxt.cp}' if remesh else ''})")
         if not remesh:
-            self.curriculum.enter(self.progress, self.model, self.parallel)
+            self.curriculum.enter(self.progress, self.model, self.parallel, self.resume_from)
             return
         self.log(f"step {step}: phase '{nxt.name}' runs with cp = {nxt.cp}: checkpointing and moving to a new mesh")
         self.save()
@@ -230,7 +239,7 @@ class Trainer:
         train, progress, loader = self.config.train, self.progress, self.curriculum.loader
         phase, step = self.curriculum.phase(progress), progress.step
         host_started = time.perf_counter()
-        self.hooks("step", step)
+        self.hooks("step-work", step)
         global_batch = self.config.ramp.at(progress.samples)
         before = loader.consumed_samples
         batch = loader.next_batch(global_batch).to(self.device, non_blocking=True)
@@ -362,8 +371,10 @@ class Trainer:
         self.model.train()
         last: dict = {}
         if self._stop_at_start():
+            self.hooks("done", self.progress.step)
             return last
         while self.progress.step < self.stops.end_step():
+            self.hooks("step", self.progress.step)  # before the step's clocks: a listener's I/O is not its time
             synchronize(self.device)
             started = self.setup.timer()
             row = self.train_step()
@@ -407,22 +418,24 @@ class Trainer:
         """The start-up lines: the parameter groups (on a fresh run), where and how it trains, the forecast."""
         if self.progress.step == 0:
             self.log("parameter groups:\n" + describe_param_groups(self.model, self.config.optim))
-        peak, source = self._peak_flops()
+        peak, source = self._peak_flops
         self.log(f"training on {self.device} ({vendor(self.device)}), {self.config.precision}; "
                  f"{self.parallel.describe()}; peak {peak / 1e12:.2f} TFLOP/s per device ({source})")
         if self.setup.forecast is not None:
             self.log(self.setup.forecast.start(self.progress.phase))
 
+    @functools.cached_property
     def _peak_flops(self) -> tuple[float, str]:
-        if self.setup.peak_flops is None:
-            dtype = torch.bfloat16 if self.config.precision == "bf16" else torch.float32
-            self.setup.peak_flops = measure_matmul_flops(self.device, dtype), "measured"
-        return self.setup.peak_flops
+        """One device's peak FLOP/s for the MFU, and where it came from: the setup's, else measured here once."""
+        if self.setup.peak_flops is not None:
+            return self.setup.peak_flops
+        dtype = torch.bfloat16 if self.config.precision == "bf16" else torch.float32
+        return measure_matmul_flops(self.device, dtype, seconds=STARTUP_MEASURE_S), "measured"
 
     def _measured(self, row: dict, seconds: float) -> None:
         """Add the step's time and rates to its metrics row, and record its samples where asked."""
         tokens_per_s = row["batch_size"] * self.curriculum.phase(self.progress).seq_len / seconds
-        peak = self._peak_flops()[0] * self.launch.world_size
+        peak = self._peak_flops[0] * self.launch.world_size
         row.update(step=self.progress.step, time=time.time(), step_time=seconds, tokens_per_s=tokens_per_s,
                    mfu=tokens_per_s * self.curriculum.flops_per_token / peak)
         if self.config.logging.record_samples and self.launch.is_main:

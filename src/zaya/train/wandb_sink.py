@@ -151,13 +151,14 @@ def run_id(run_dir: Path) -> str:
 
 
 def open_wandb(run_dir: Path, logging: LoggingSection, record: dict, start_step: int,
-               mode: str = "online") -> WandbSink | None:
+               environ_mode: str = "") -> WandbSink | None:
     """The W&B sink of a run that starts (or resumes) at `start_step`, with the run config `record`, or None
-    without `logging.wandb` (or in `mode` "disabled", `wandb_mode`'s answer). Call it on rank 0 only. Raises a
-    one-line ZayaError if wandb is missing or its init fails."""
+    without `logging.wandb` (or in mode "disabled": `wandb_mode` with the environment's WANDB_MODE,
+    `environ_mode`). Call it on rank 0 only. Raises a one-line ZayaError if wandb is missing or its init fails."""
     if not logging.wandb:
         return None
     wandb = import_wandb()
+    mode = wandb_mode(logging, environ_mode)
     if mode == "disabled":
         return None
     run_dir = Path(run_dir)
