@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,21 +67,14 @@ def _toml(value) -> str:
     return repr(value)
 
 
-def zaya_command(args: Sequence[str], env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    """`zaya ARGS` in this process, with `env` added to the environment for the call: (exit code, stdout,
-    stderr). The command's own code path without an interpreter's start; a fault that kills the process
-    (sigkill, sigstop) needs `ranks.run_command` instead."""
+def zaya_command(args: Sequence[str]) -> tuple[int, str, str]:
+    """`zaya ARGS` in this process: (exit code, stdout, stderr). The command's own code path without an
+    interpreter's start; a fault that kills the process (sigkill, sigstop) needs `ranks.run_command` instead."""
     from zaya.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    saved = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([str(a) for a in args])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
     return code, out.getvalue(), err.getvalue()
 
 
@@ -97,5 +89,50 @@ class SteppedClock:
         return self.now
 
     def listen(self, event: str, step: int, path: Path | None = None) -> None:
-        if event == "step":
+        if event == "step-work":  # inside the step's timing
             self.now += self.step_s
+
+
+# ---- what runs left on disk ------------------------------------------------------------------------------
+
+
+def checkpoint_tensors(directory: Path) -> dict:
+    """Every tensor of the checkpoint in `directory`, whole, read in this one process, by its flat key
+    ("model.…", "optim.…")."""
+    import torch
+
+    from zaya import checkpoint as ckpt
+
+    nested: dict = {}
+    for key, meta in ckpt.read_metadata(directory).state_dict_metadata.items():
+        top, rest = key.split(".", 1)
+        nested.setdefault(top, {})[rest] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    ckpt.load_tensors(directory, nested)
+    return {f"{top}.{k}": v for top, d in nested.items() for k, v in d.items()}
+
+
+def committed_step(run_dir: Path) -> int:
+    """The step of the run's newest committed checkpoint."""
+    from zaya import checkpoint as ckpt
+
+    return ckpt.read_json(ckpt.resolve_checkpoint(run_dir) / ckpt.INFO_FILE)["step"]
+
+
+def losses(run_dir: Path) -> list[tuple[int, float, float | None]]:
+    """(step, loss, eval loss) of every metrics row."""
+    from zaya.train.metrics import read_metrics
+
+    return [(r["step"], r["loss"], r.get("eval_loss")) for r in read_metrics(run_dir)]
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Two runs logged the same losses and ended with bitwise the same model and optimizer state."""
+    import torch
+
+    from zaya import checkpoint as ckpt
+
+    assert losses(a) == losses(b)
+    ta, tb = checkpoint_tensors(ckpt.resolve_checkpoint(a)), checkpoint_tensors(ckpt.resolve_checkpoint(b))
+    assert set(ta) == set(tb) and any(k.startswith("optim.") for k in ta)
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key

@@ -133,14 +133,18 @@ def test_the_console_script_exits_2_with_one_line(tmp_path):
     _assert_one_line_error(result.returncode, result.stderr, "no such directory")
 
 
-@pytest.mark.parametrize("args", [["--help"], ["--version"], ["diagnose", "--help"], ["data", "--help"]],
-                         ids=["help", "version", "diagnose", "data-help"])
-def test_the_quick_commands_import_no_torch(args):
-    """`zaya --help`, `--version` and `zaya diagnose` start without loading torch (`-X importtime` lists every
-    module a process imports)."""
+@pytest.mark.parametrize(("args", "shows"), [
+    (["--help"], "Usage: "), (["--version"], "zaya"), (["diagnose", "--help"], "diagnose"),
+    (["data", "--help"], "data"), (["shapes", "--help"], "[default: 1024,2048,4096,8192]"),
+], ids=["help", "version", "diagnose", "data-help", "shapes-help"])
+def test_the_quick_commands_import_no_torch(args, shows):
+    """`zaya --help`, `--version`, `zaya diagnose` and the commands' help start without loading torch
+    (`-X importtime` lists every module a process imports); `zaya shapes --help` still states the sweep's
+    defaults."""
     result = subprocess.run([sys.executable, "-X", "importtime", "-m", "zaya.cli", *args], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+    assert shows in " ".join(result.stdout.split()), result.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
     assert "zaya.errors" in imported and "torch" not in imported
 

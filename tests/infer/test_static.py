@@ -82,8 +82,7 @@ def test_compiled_generation_gives_the_eager_tokens(make_model):
         for param in model.parameters():
             param.mul_(1.5)
     assert torch.equal(generate(model, prompt, 20, decoder=decoder), generate(model, prompt, 20))
-    # another batch size is another graph, compiled on first use
-    assert torch.equal(generate(model, prompt[:1], 5, decoder=decoder), generate(model, prompt[:1], 5))
+    # (a batch of one row, another graph, is `zaya generate --compile` in tests/test_cli.py: one compile fewer here)
 
 
 def test_a_decoder_serves_only_its_model(make_model):

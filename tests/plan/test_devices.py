@@ -15,6 +15,7 @@ from zaya.plan.devices import (
     match_device,
     peak_flops,
 )
+from zaya.plan.plan_cli import load_target
 from zaya.plan.table import EfficiencyTable, GemmRecord
 
 
@@ -102,11 +103,13 @@ def test_local_device_comes_from_a_measured_table(tmp_path):
     assert spec.gemm_efficiency == pytest.approx(2 * 1024**3 / 0.025 / 1e11)
     assert spec == local_device(_table())
 
-    missing = r"no measured table for the local device at .*local-fp32\.json: run `zaya shapes` first"
+    with pytest.raises(ZayaError, match=r"the local device needs its measured table: run `zaya shapes` first"):
+        get_device("local")
+    missing = r"no measured table for the local device at .*local-fp32\.json: run `zaya shapes --dtype fp32` first"
     with pytest.raises(ZayaError, match=missing):
-        get_device("local", dtype="fp32", cache=tmp_path)
+        load_target("local", "fp32", None, tmp_path)
     _table().save(tmp_path / "shapes" / "local-fp32.json")
-    assert get_device("local", dtype="fp32", cache=tmp_path) == spec
+    assert load_target("local", "fp32", None, tmp_path) == (spec, _table())
 
 
 def test_describe_devices_lists_every_device(tmp_path):

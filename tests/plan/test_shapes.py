@@ -154,13 +154,6 @@ def test_default_table_path_follows_the_cache_variables(tmp_path):
     assert default_table_path("fp32", cache) == tmp_path / "x" / "zaya" / "shapes" / "local-fp32.json"
 
 
-def test_the_commands_help_shows_the_sweeps_defaults():
-    """`zaya shapes` states them without importing the sweep (so that `zaya --help` loads no torch)."""
-    from zaya.plan import shapes, shapes_cli
-
-    assert (shapes_cli.DEFAULT_TOKENS, shapes_cli.DEFAULT_BUDGET_S) == (shapes.DEFAULT_TOKENS, shapes.DEFAULT_BUDGET_S)
-
-
 # ---- the command -------------------------------------------------------------------------------------------
 
 

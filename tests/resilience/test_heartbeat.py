@@ -12,7 +12,8 @@ from zaya.resilience.command import WorkerCommand
 from zaya.resilience.heartbeat import Heartbeat, HeartbeatSettings, HeartbeatWatcher, process_state
 
 
-def test_inert_without_a_directory(tmp_path):
+def test_inert_without_a_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where a stray relative write would land
     beat = Heartbeat(None, 0)
     beat.beat("step", 3)
     beat("eval", 3)
@@ -23,6 +24,7 @@ def test_as_a_trainer_listener_it_beats_for_sections_only(tmp_path):
     beat = Heartbeat(tmp_path, 2)
     beat("step", 5)
     beat("committed", 5, tmp_path)  # a checkpoint event: no section
+    beat("step-work", 5)  # inside the step: no section either
     record = json.loads((tmp_path / "rank-2.json").read_text())
     assert (record["section"], record["step"], record["rank"]) == ("step", 5, 2)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zaya
-from ranks import run_command, zaya_ranks
+from ranks import run_command, zaya_train
 from runs import write_config
 from zaya.cli import main
 from zaya.errors import EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_PREEMPTED, EXIT_STOPPED
@@ -74,8 +74,9 @@ def reference(dataset, tmp_path_factory) -> Path:
     """The same run on 2 ranks, uninterrupted (and unsupervised: the ranks of the session's pool)."""
     tmp = tmp_path_factory.mktemp("reference")
     run = tmp / "run"
-    for code, _, err in zaya_ranks(["train", _config(tmp, dataset), "--run-dir", run], 2):
+    for code, _, err in zaya_train(_config(tmp, dataset), run, 2):
         assert code == 0, err[-5000:]
+    assert not (run / "incidents.jsonl").exists()  # a clean run reports nothing
     return run
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ranks import zaya_ranks
+from ranks import zaya_train
 from runs import write_config
 from zaya.config import load_config
 from zaya.train.metrics import read_metrics
@@ -29,11 +29,10 @@ def _config(tmp_path: Path, dataset: Path, name: str = "run.toml", **sections) -
     return write_config(tmp_path / name, dataset, **merged)
 
 
-def _train(config: Path, run_dir: Path, nproc: int, *sets: str) -> tuple[int, str, str]:
-    """`zaya train` on `nproc` ranks: the worst exit code, and every rank's output joined."""
-    args = ["train", str(config), "--run-dir", str(run_dir), *(a for s in sets for a in ("--set", s))]
-    results = zaya_ranks(args, nproc, timeout=400)
-    return max(code for code, _, _ in results), "".join(r[1] for r in results), "".join(r[2] for r in results)
+def _train(config: Path, run_dir: Path, nproc: int, *sets: str) -> tuple[list[int], str, str]:
+    """`zaya train` on `nproc` ranks: each rank's exit code, and every rank's output joined."""
+    results = zaya_train(config, run_dir, nproc, *sets)
+    return [code for code, _, _ in results], "".join(r[1] for r in results), "".join(r[2] for r in results)
 
 
 def _assert_same_losses(run: Path, reference: Path) -> None:
@@ -63,8 +62,8 @@ def single(dataset, tmp_path_factory) -> Path:
 ], ids=["cp2", "dp2-cp2-ring", "hsdp2-cp2-contiguous-recompute"])
 @pytest.mark.slow
 def test_context_parallel_training_logs_the_losses_of_one_process(dataset, tmp_path, single, nproc, sets, mesh):
-    code, out, err = _train(_config(tmp_path, dataset), tmp_path / "run", nproc, *sets)
-    assert code == 0, err[-6000:]
+    codes, out, err = _train(_config(tmp_path, dataset), tmp_path / "run", nproc, *sets)
+    assert codes == [0] * len(codes), err[-6000:]
     assert mesh in (tmp_path / "run" / "train.log").read_text()
     _assert_same_losses(tmp_path / "run", single)
     assert out.count("done:") == 1  # rank 0 alone
@@ -74,8 +73,8 @@ def test_context_parallel_training_logs_the_losses_of_one_process(dataset, tmp_p
 def test_a_checkpoint_continues_at_another_cp_size_and_back(dataset, tmp_path, single):
     config = _config(tmp_path, dataset, train={"max_steps": 2})
     for steps, cp in ((2, 1), (4, 2), (6, 1)):  # written at cp = 1, read at cp = 2; written at cp = 2, read at 1
-        code, _, err = _train(config, tmp_path / "run", 2, f"parallel.cp={cp}", f"train.max_steps={steps}")
-        assert code == 0, err[-6000:]
+        codes, _, err = _train(config, tmp_path / "run", 2, f"parallel.cp={cp}", f"train.max_steps={steps}")
+        assert codes == [0] * len(codes), err[-6000:]
     log = (tmp_path / "run" / "train.log").read_text()
     assert log.count("resumed from") == 2 and "dp_shard 1 x cp 2" in log and "dp_shard 2 x cp 1" in log
     _assert_same_losses(tmp_path / "run", single)
@@ -88,8 +87,8 @@ def test_a_long_context_phase_moves_to_its_cp_size_at_the_boundary(dataset, tmp_
               {"name": "long", "seq_len": 64, "rope_theta": 1e6, "cp": 2}]
     sections = dict(phases=phases, train={"max_steps": 4, "eval_every": 0}, checkpoint={"every": 2})
     run = tmp_path / "run"
-    code, _, err = _train(_config(tmp_path, dataset, **sections), run, 2)
-    assert code == 0, err[-6000:]
+    codes, _, err = _train(_config(tmp_path, dataset, **sections), run, 2)
+    assert codes == [0] * len(codes), err[-6000:]
     log = (run / "train.log").read_text()
     assert "phase 'long' runs with cp = 2" in log and "dp_shard 1 x cp 2" in log and "dp_shard 2 x cp 1" in log
     # one process trains the same curriculum with the same losses (its phases carry no cp)
@@ -107,8 +106,8 @@ def test_a_long_context_phase_moves_to_its_cp_size_at_the_boundary(dataset, tmp_
 ], ids=["seq-len", "world-size"])
 @pytest.mark.slow
 def test_a_context_split_that_does_not_fit_stops_every_rank(dataset, tmp_path, nproc, sets, words):
-    code, out, err = _train(_config(tmp_path, dataset), tmp_path / "run", nproc, *sets)
-    assert code != 0
+    codes, out, err = _train(_config(tmp_path, dataset), tmp_path / "run", nproc, *sets)
+    assert all(code != 0 for code in codes), codes  # every rank stops
     lines = [line for line in (out + err).splitlines() if words in line]
     assert len(lines) == 1, out + err
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import zaya
-from ranks import free_port, run_command, torchrun, zaya_ranks
-from runs import write_config
+from ranks import free_port, run_command, torchrun, zaya_train
+from runs import checkpoint_tensors, write_config
 from zaya import checkpoint as ckpt
 from zaya.config import load_config
 from zaya.errors import ZayaError
@@ -53,8 +53,7 @@ def _config(tmp_path: Path, dataset: Path, name: str = "run.toml", **sections) -
 
 def _train(config: Path, run_dir: Path, nproc: int, *sets: str) -> list[tuple[int, str, str]]:
     """`zaya train` on `nproc` ranks; every rank must succeed."""
-    args = ["train", config, "--run-dir", run_dir, *(a for s in sets for a in ("--set", s))]
-    results = zaya_ranks(args, nproc, timeout=400)
+    results = zaya_train(config, run_dir, nproc, *sets)
     for rank, (code, _, err) in enumerate(results):
         assert code == 0, f"rank {rank}: {err[-6000:]}"
     return results
@@ -173,37 +172,26 @@ def test_async_saves_hold_the_values_of_their_step(dataset, tmp_path):
     _train(_config(tmp_path, dataset, **sections), tmp_path / "async", 2, "checkpoint.async_save=true")
     for step in (2, 4):
         name = f"step_{step:08d}"
-        a = _load_all(tmp_path / "sync" / "checkpoints" / name)
-        b = _load_all(tmp_path / "async" / "checkpoints" / name)
+        a = checkpoint_tensors(tmp_path / "sync" / "checkpoints" / name)
+        b = checkpoint_tensors(tmp_path / "async" / "checkpoints" / name)
         assert a.keys() == b.keys()
         for key in a:  # training went on while the async save wrote; it holds its own step's values
             assert torch.equal(a[key], b[key]), (step, key)
 
 
-def _load_all(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint, whole, read in this one process."""
-    metadata = ckpt.read_metadata(directory)
-    flat = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()}
-    nested: dict = {}
-    for key, tensor in flat.items():
-        top, rest = key.split(".", 1)
-        nested.setdefault(top, {})[rest] = tensor
-    ckpt.load_tensors(directory, nested)
-    return flat
-
-
 @pytest.mark.slow
 def test_two_torchrun_agents_form_one_job_that_survives_a_killed_rank(dataset, tmp_path, single):
-    """Two "nodes" of two ranks each, HSDP across them; rank 3 is killed before step 4 of the first attempt,
-    torchrun restarts the job, and it resumes from the checkpoint of step 3."""
+    """Two "nodes" of one rank each, replicas of each other (dp_replicate = 2: HSDP with one rank per node); rank 1
+    is killed before step 4 of the first attempt, torchrun restarts the job, and it resumes from the checkpoint of
+    step 3."""
     config = _config(tmp_path, dataset, train={"max_steps": 6}, checkpoint={"every": 3})
     run = tmp_path / "run"
     port = free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=zaya-test",
                "--max-restarts=1", "--monitor-interval=0.5", "-m", "zaya.cli", "train", str(config),
                "--run-dir", str(run), "--set", "parallel.dp_replicate=2", "--set", "parallel.timeout_s=60"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ZAYA_FAULTS": "sigkill@step:4@rank=3@attempt=0"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ZAYA_FAULTS": "sigkill@step:4@rank=1@attempt=0"}
     agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True) for _ in range(2)]
     outputs = []
@@ -244,9 +232,7 @@ def test_bad_input_stops_every_rank_with_one_line_under_torchrun(dataset, tmp_pa
 ], ids=["mesh", "cp", "backend", "nccl-on-cpu"])
 @pytest.mark.slow
 def test_bad_input_on_every_rank_is_one_line_from_rank_0(dataset, tmp_path, sets, key):
-    args = ["train", str(_config(tmp_path, dataset)), "--run-dir", str(tmp_path / "run"),
-            *(a for s in sets for a in ("--set", s))]
-    results = zaya_ranks(args, 2, timeout=120)
+    results = zaya_train(_config(tmp_path, dataset), tmp_path / "run", 2, *sets, timeout=120)
     assert all(code == 2 for code, _, _ in results)
     errors = [line for _, _, err in results for line in err.splitlines() if line.startswith("zaya: error")]
     assert len(errors) == 1 and key in errors[0] and "(rank" not in errors[0], errors

@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from test_trainer import _assert_same_run
 
 from ranks import zaya_ranks
-from runs import SteppedClock, write_config
+from runs import SteppedClock, assert_same_run, committed_step, write_config
 from zaya import checkpoint as ckpt
 from zaya.config import load_config
 from zaya.errors import EXIT_PREEMPTED
@@ -24,11 +23,6 @@ from zaya.train.hooks import Hooks
 from zaya.train.metrics import read_metrics
 from zaya.train.stops import StepClock, deadline_reached, time_origin, timed_decay
 from zaya.training import build_trainer
-
-
-def _committed(run_dir: Path) -> int:
-    return ckpt.read_json(ckpt.resolve_checkpoint(run_dir) / ckpt.INFO_FILE)["step"]
-
 
 # ---- the rules ----------------------------------------------------------------------------------------
 
@@ -72,12 +66,12 @@ def test_a_signal_mid_step_stops_after_it_with_a_checkpoint_and_resume_is_bitwis
     stopped = build_trainer(config, tmp_path / "resumed", environ={"ZAYA_FAULTS": f"{sig}@step:5"})
     stopped.run()
     assert stopped.stopped == sig.upper()
-    assert _committed(tmp_path / "resumed") == 6  # step 5 (the sixth) finished, then its checkpoint
+    assert committed_step(tmp_path / "resumed") == 6  # step 5 (the sixth) finished, then its checkpoint
     assert max(r["step"] for r in read_metrics(tmp_path / "resumed")) == 6
     assert f"stopping at step 6 on {sig.upper()}" in (tmp_path / "resumed" / "train.log").read_text()
 
     build_trainer(config, tmp_path / "resumed").run()
-    _assert_same_run(tmp_path / "straight", tmp_path / "resumed")
+    assert_same_run(tmp_path / "straight", tmp_path / "resumed")
 
 
 def _start(config: Path, run: Path, env: dict | None = None) -> subprocess.Popen:
@@ -108,28 +102,30 @@ def test_sigterm_from_outside_at_any_moment_exits_75_and_resumes(dataset, tmp_pa
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 14}, checkpoint={"every": 5})
     build_trainer(load_config(config), tmp_path / "straight").run()
     run = tmp_path / "resumed"
-    process = _start(config, run)
+    # every step takes 0.2 s at least, so that the signal lands before the last step on any machine
+    process = _start(config, run, env={"ZAYA_FAULTS": "slow=0.2@step:0"})
     _wait_for_step(process, run, 3)
     process.send_signal(signal.SIGTERM)
     out, err = _finish(process)
     assert process.returncode == EXIT_PREEMPTED, err
     last = max(r["step"] for r in read_metrics(run))
-    assert 3 <= last < 14 and _committed(run) == last  # nothing trained is lost
+    assert 3 <= last < 14 and committed_step(run) == last  # nothing trained is lost
     assert f"stopped at step {last} (SIGTERM); exit code {EXIT_PREEMPTED}" in out
     build_trainer(load_config(config), run).run()
-    _assert_same_run(tmp_path / "straight", run)
+    assert_same_run(tmp_path / "straight", run)
 
 
 def test_more_signals_change_nothing(dataset, tmp_path):
-    """A scheduler signals every process of the job and torchrun passes its copy on: duplicates are the rule."""
+    """A scheduler signals every process of the job and torchrun passes its copy on: duplicates are the rule, in
+    the step and during the stop's checkpoint."""
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 50})
     run = tmp_path / "run"
     trainer = build_trainer(load_config(config), run,
-                            environ={"ZAYA_FAULTS": "sigterm@step:2,sigusr1@step:2,sigterm@step:3"})
+                            environ={"ZAYA_FAULTS": "sigterm@step:2,sigusr1@step:2,sigterm@checkpoint:3"})
     trainer.run()
     assert trainer.stopped == "SIGTERM"
     last = max(r["step"] for r in read_metrics(run))
-    assert _committed(run) == last == 3 and "stopping at step 3 on SIGTERM" in (run / "train.log").read_text()
+    assert committed_step(run) == last == 3 and "stopping at step 3 on SIGTERM" in (run / "train.log").read_text()
 
 
 @pytest.mark.slow
@@ -141,7 +137,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(dataset, tmp_pat
     assert sum(out.count(f"exit code {EXIT_PREEMPTED}") for _, out, _ in results) == 1  # rank 0 says it, once
     log = (run / "train.log").read_text() + (run / "logs" / "rank-1.log").read_text()
     assert "stopping at step 7 on a signal to another rank" in log and "stopping at step 7 on SIGTERM" in log
-    assert _committed(run) == 7
+    assert committed_step(run) == 7
     (shards,) = {len(list((ckpt.resolve_checkpoint(run)).glob("*.distcp")))}
     assert shards == 2
 
@@ -160,7 +156,7 @@ def test_max_time_s_stops_in_time_with_a_checkpoint(dataset, tmp_path):
     trainer.run()
     assert trainer.stopped == "max_time_s"
     last = max(r["step"] for r in read_metrics(run))
-    assert _committed(run) == last
+    assert committed_step(run) == last
     # it stopped at the first step after which one more step (10 s) and a checkpoint (before the first: ten
     # steps' worth) would no longer fit in the 400 s: the checkpoint was committed in time
     assert 10 * last + 10 + 100 >= 400 > 10 * (last - 1) + 10 + 100
@@ -214,6 +210,6 @@ def test_torchrun_passes_sigusr1_on_as_the_slurm_example_sets_it_up(dataset, tmp
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     last = max(r["step"] for r in read_metrics(run))
-    assert 3 <= last < 60 and _committed(run) == last, err[-4000:]
+    assert 3 <= last < 60 and committed_step(run) == last, err[-4000:]
     assert f"stopping at step {last} on SIGUSR1" in (run / "train.log").read_text()
     assert f"exit code {EXIT_PREEMPTED}" in out

@@ -15,37 +15,12 @@ import pytest
 import torch
 
 from ranks import run_command
-from runs import build_code_dataset, write_config, zaya_command
+from runs import assert_same_run, build_code_dataset, losses, write_config, zaya_command
 from zaya import checkpoint as ckpt
 from zaya.config import load_config
 from zaya.resilience.faults import InjectedFault
 from zaya.train.metrics import read_metrics
 from zaya.training import build_trainer
-
-
-def _final_tensors(run_dir: Path) -> dict:
-    final = ckpt.resolve_checkpoint(run_dir)
-    metadata = ckpt.read_metadata(final)
-    tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in
-               metadata.state_dict_metadata.items()}
-    nested: dict = {}
-    for key, tensor in tensors.items():
-        top, rest = key.split(".", 1)
-        nested.setdefault(top, {})[rest] = tensor
-    ckpt.load_tensors(final, nested)
-    return {f"{top}.{k}": v for top, d in nested.items() for k, v in d.items()}
-
-
-def _losses(run_dir: Path) -> list[tuple[int, float, float | None]]:
-    return [(r["step"], r["loss"], r.get("eval_loss")) for r in read_metrics(run_dir)]
-
-
-def _assert_same_run(a: Path, b: Path) -> None:
-    assert _losses(a) == _losses(b)
-    ta, tb = _final_tensors(a), _final_tensors(b)
-    assert set(ta) == set(tb) and any(k.startswith("optim.") for k in ta)
-    for key in ta:
-        assert torch.equal(ta[key], tb[key]), key
 
 
 def _crash(config: Path, run_dir: Path, fault: str) -> None:
@@ -67,7 +42,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bitwise_identical(dataset, tmp_
     resumed = run_command(command)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in (tmp_path / "resumed" / "train.log").read_text()
-    _assert_same_run(tmp_path / "straight", tmp_path / "resumed")
+    assert_same_run(tmp_path / "straight", tmp_path / "resumed")
 
 
 def test_a_crash_in_bf16_then_resume_is_bitwise_identical(dataset, tmp_path):
@@ -76,7 +51,7 @@ def test_a_crash_in_bf16_then_resume_is_bitwise_identical(dataset, tmp_path):
     _crash(config, tmp_path / "resumed", "raise@step:4")
     assert max(r["step"] for r in read_metrics(tmp_path / "resumed")) == 4
     build_trainer(load_config(config), tmp_path / "resumed").run()
-    _assert_same_run(tmp_path / "straight", tmp_path / "resumed")
+    assert_same_run(tmp_path / "straight", tmp_path / "resumed")
 
 
 def test_a_crash_during_a_checkpoint_write_keeps_the_previous_one(dataset, tmp_path):
@@ -133,7 +108,7 @@ def test_phases_switch_at_their_token_budgets_and_the_ramp_continues_across_resu
     # interrupted at step 6 and resumed: the same ramp and phases, the same losses
     _crash(config, tmp_path / "resumed", "raise@step:6")
     build_trainer(load_config(config), tmp_path / "resumed").run()
-    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
     resumed_rows = read_metrics(tmp_path / "resumed")
     assert [r["batch_size"] for r in resumed_rows] == batches
     state = json.loads((ckpt.resolve_checkpoint(tmp_path / "resumed") / "train_state.json").read_text())

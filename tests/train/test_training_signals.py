@@ -2,11 +2,10 @@
 never trained on; incidents are recorded."""
 
 import json
-from pathlib import Path
 
 import torch
 
-from runs import write_config
+from runs import checkpoint_tensors, write_config
 from zaya import checkpoint as ckpt
 from zaya.config import load_config
 from zaya.resilience.incidents import read_incidents
@@ -17,16 +16,6 @@ from zaya.train.metrics import read_metrics
 from zaya.training import build_trainer
 
 
-def _tensors(directory: Path) -> dict:
-    metadata = ckpt.read_metadata(directory)
-    nested: dict = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        top, rest = key.split(".", 1)
-        nested.setdefault(top, {})[rest] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    ckpt.load_tensors(directory, nested)
-    return {f"{top}.{k}": v for top, d in nested.items() for k, v in d.items()}
-
-
 def test_a_nan_step_is_skipped_and_changes_nothing(dataset, tmp_path):
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 8},
                           checkpoint={"every": 1, "keep": 10})
@@ -34,11 +23,11 @@ def test_a_nan_step_is_skipped_and_changes_nothing(dataset, tmp_path):
     build_trainer(load_config(config), run, environ={"ZAYA_FAULTS": "nan@step:5"}).run()
     rows = {row["step"]: row for row in read_metrics(run)}
     assert rows[6]["skipped"] and not any(rows[s]["skipped"] for s in rows if s != 6)
-    before, after = _tensors(run / "checkpoints" / "step_00000005"), _tensors(run / "checkpoints" / "step_00000006")
+    before, after = (checkpoint_tensors(run / "checkpoints" / f"step_{step:08d}") for step in (5, 6))
     assert any(k.startswith("optim.") for k in before) and set(before) == set(after)
     for key in before:
         assert torch.equal(before[key], after[key]), key
-    changed = _tensors(run / "checkpoints" / "step_00000007")
+    changed = checkpoint_tensors(run / "checkpoints" / "step_00000007")
     assert not all(torch.equal(after[k], changed[k]) for k in after if k.startswith("model."))
     state = ckpt.read_json(run / "checkpoints" / "step_00000006" / ckpt.TRAIN_STATE_FILE)["state"]
     assert state["step"] == 6 and state["samples"] == 6 * 8  # the step and its samples still count

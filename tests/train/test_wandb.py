@@ -6,12 +6,14 @@ import dataclasses
 import io
 import json
 import os
+import signal
 import struct
 import sys
 from pathlib import Path
 
 import pytest
 
+from ranks import run_command
 from runs import write_config
 from zaya.cli import main
 from zaya.config import RunConfig, load_config
@@ -21,7 +23,7 @@ from zaya.run_dir import WANDB_ID_FILE as ID_FILE
 from zaya.train import metrics as metrics_module
 from zaya.train.config import LoggingSection
 from zaya.train.metrics import MetricsLogger, read_metrics
-from zaya.train.wandb_sink import check_wandb, open_wandb, wandb_mode
+from zaya.train.wandb_sink import check_wandb, open_wandb
 from zaya.training import build_trainer, report_plots
 
 wandb_internal_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
@@ -68,6 +70,10 @@ class Segment:
 
 
 def _segments(run_dir: Path) -> list[Segment]:
+    # W&B's service may still be writing a finished run's last records: its teardown waits for them
+    import wandb
+
+    wandb.teardown()
     segments = []
     for directory in sorted((run_dir / "wandb").glob("offline-run-*")):
         (file,) = directory.glob("*.wandb")
@@ -113,8 +119,7 @@ def _config(**logging) -> RunConfig:
 
 def _open(run_dir: Path, config: RunConfig, start_step: int):
     """The sink `zaya train` opens, in the mode WANDB_MODE says unless the config does."""
-    mode = wandb_mode(config.logging, os.environ.get("WANDB_MODE", ""))
-    return open_wandb(run_dir, config.logging, config.to_dict(), start_step, mode)
+    return open_wandb(run_dir, config.logging, config.to_dict(), start_step, os.environ.get("WANDB_MODE", ""))
 
 
 def _row(step: int, loss: float) -> dict:
@@ -201,6 +206,28 @@ def test_no_sink_without_logging_wandb_or_in_disabled_mode(tmp_path, offline, mo
     assert not (tmp_path / "wandb").exists()
 
 
+def test_the_configs_mode_wins_over_the_environments(tmp_path, offline):
+    assert _open(tmp_path, _config(wandb_mode="disabled"), 0) is None  # WANDB_MODE is offline
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_a_failing_image_upload_does_not_fail_the_finished_run(tmp_path, offline, capsys):
+    sink = _open(tmp_path / "run", _config(), 0)
+
+    def refuse(images: dict) -> None:
+        raise OSError("the upload was refused")
+
+    sink.log_images = refuse
+    logger = MetricsLogger(tmp_path / "run", start_step=0, total_steps=1, tensorboard=False, progress=False,
+                           sink=sink)
+    try:
+        logger.finish(lambda: {"loss": tmp_path / "loss.png"})
+    finally:
+        logger.close()
+    assert "the report plots failed (OSError: the upload was refused); training is unaffected" in \
+        capsys.readouterr().out  # tqdm.write: the progress bar's stream
+
+
 def test_without_the_wandb_package_the_error_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     for call in (lambda: _open(tmp_path, _config(), 0), lambda: check_wandb(_config().logging)):
@@ -248,12 +275,20 @@ def test_the_progress_bar_counts_seconds_of_a_time_budget(tmp_path, monkeypatch)
 # ---- the trainer --------------------------------------------------------------------------------------------
 
 
-def test_a_training_run_logs_to_wandb_and_a_resumed_one_continues_it(dataset, tmp_path, offline):
+@pytest.mark.parametrize("crash", ["raise", pytest.param("sigkill", marks=pytest.mark.slow)])
+def test_a_training_run_logs_to_wandb_and_a_resumed_one_continues_it(dataset, tmp_path, offline, monkeypatch,
+                                                                      crash):
     config_path = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 6},
                                logging={"wandb": True, "wandb_mode": "offline", "wandb_name": "tiny-test"})
     run_dir = tmp_path / "run"
-    with pytest.raises(InjectedFault):  # a crash after the checkpoint of step 3
-        build_trainer(load_config(config_path), run_dir, environ={"ZAYA_FAULTS": "raise@step:5"}).run()
+    fault = {"ZAYA_FAULTS": f"{crash}@step:5"}  # after the checkpoint of step 3
+    if crash == "raise":  # the W&B run is finished as failed
+        with pytest.raises(InjectedFault):
+            build_trainer(load_config(config_path), run_dir, environ=fault).run()
+    else:  # a real process killed with its W&B run open, and with it its own W&B service (not this process's)
+        monkeypatch.delenv("WANDB_SERVICE", raising=False)
+        killed = run_command([sys.executable, "-m", "zaya.cli", "train", config_path, "--run-dir", run_dir], env=fault)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
     build_trainer(load_config(config_path), run_dir).run()
 
     rows = read_metrics(run_dir)
