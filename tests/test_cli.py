@@ -29,16 +29,26 @@ def _assert_one_line_error(code, err, *fragments):
         assert fragment in lines[0], lines[0]
 
 
-def test_generate_prints_ids_matching_the_api(cli, hf_dir):
+def test_generate_prints_ids_matching_the_api(cli, hf_dir, monkeypatch):
     path, model = hf_dir
     code, out, _ = cli("generate", "--model", path, "--prompt-ids", "5,17,3", "--max-new-tokens", "9",
                        "--output", "ids", "--no-stop-at-eos")
     assert code == 0
     expected = generate(model, torch.tensor([[5, 17, 3]]), 9)[0].tolist()
     assert out.strip() == ",".join(map(str, expected))
+    # --compile decodes with a compiled step: traced whole (fullgraph) here, run by the eager backend, since
+    # what inductor makes of it is tests/infer/test_static.py's (and costs a C++ build)
+    compiled_with, compile = [], torch.compile
+
+    def traced(fn, **options):
+        compiled_with.append(options)
+        return compile(fn, backend="eager", fullgraph=options["fullgraph"], dynamic=options["dynamic"])
+
+    monkeypatch.setattr(torch, "compile", traced)
     code, compiled, _ = cli("generate", "--model", path, "--prompt-ids", "5,17,3", "--max-new-tokens", "9",
                             "--output", "ids", "--no-stop-at-eos", "--compile")
     assert code == 0 and compiled == out
+    assert len(compiled_with) == 1 and compiled_with[0]["fullgraph"]
 
 
 def test_generate_sampling_is_seeded(cli, hf_dir):

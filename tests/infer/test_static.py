@@ -70,6 +70,7 @@ def test_capacities_are_rounded_up():
     assert round_capacity(257) == 512
 
 
+@pytest.mark.slow
 def test_compiled_generation_gives_the_eager_tokens(make_model):
     model = make_model("micro")
     decoder = CompiledDecoder(model)

@@ -9,6 +9,7 @@ import torch
 import zaya
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("c++") is None, reason="torch.compile on the CPU needs a C++ compiler")
 def test_compiled_blocks_match_eager_blocks_in_bf16():
     config = zaya.get_preset("micro")
