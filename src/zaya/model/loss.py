@@ -21,8 +21,9 @@ IGNORE_INDEX = -100
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_ND, weight_VD, targets_N, chunk_rows: int, matmul_dtype: torch.dtype):
+        # no host read of the targets (whether all are valid): the mask is applied to the [rows, D] operands, not
+        # to the [rows, V] logits' gradient, and multiplying by 1 changes no bit
         valid = targets_N != IGNORE_INDEX
-        all_valid = bool(valid.all())
         n_valid = valid.sum().clamp_min(1)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         h = hidden_ND.to(matmul_dtype)
@@ -35,17 +36,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
             target = targets_N[rows].clamp_min(0)[:, None]
             logp = torch.log_softmax(h[rows] @ w.t(), dim=-1, dtype=torch.float32)  # one fused pass
             picked = logp.gather(1, target).squeeze(1)
-            total -= picked.sum() if all_valid else (picked * valid[rows]).sum()
+            total -= (picked * valid[rows]).sum()
             if need_hidden or need_weight:
-                # dL/dlogits = softmax - onehot, written straight in the matmul dtype
+                # dL/dlogits = softmax - onehot, written straight in the matmul dtype; an invalid row's gradient
+                # is zeroed through its hidden state (for the weight) and its result row (for the hidden state)
                 grad = torch.exp(logp, out=torch.empty_like(logp, dtype=matmul_dtype))
                 grad.scatter_add_(1, target, grad.new_full(target.shape, -1.0))
-                if not all_valid:
-                    grad.mul_(valid[rows, None].to(grad.dtype))
+                mask = valid[rows, None].to(matmul_dtype)
                 if need_hidden:
-                    grad_hidden[rows] = grad @ w
+                    grad_hidden[rows] = (grad @ w) * mask
                 if need_weight:
-                    grad_weight.add_(grad.t() @ h[rows])
+                    grad_weight.add_(grad.t() @ (h[rows] * mask))
         ctx.save_for_backward(grad_hidden, grad_weight, n_valid)
         ctx.input_dtypes = (hidden_ND.dtype, weight_VD.dtype)
         return total / n_valid

@@ -103,13 +103,20 @@ class ZayaMoE(nn.Module):
 # ---- dispatch primitives ------------------------------------------------------------------------------
 
 
+def expert_counts(expert_N: torch.Tensor, E: int) -> torch.Tensor:
+    """Tokens per expert [E], on the device: a scatter-add, where `bincount` reads the ids' range back to the
+    host on accelerators (a blocking sync per MoE layer)."""
+    return torch.zeros(E, dtype=torch.long, device=expert_N.device).scatter_add_(0, expert_N,
+                                                                                torch.ones_like(expert_N))
+
+
 @torch.compiler.disable  # data-dependent sizes: the graph breaks here anyway; the bookkeeping runs eagerly
 def _group_rows(expert_N: torch.Tensor, E: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The grouped layout: each expert's tokens on contiguous rows, in token order, expert 0 first, every
     group padded with zero rows to a multiple of `multiple`. Returns each token's row, the group sizes [E]
     and the number of rows (read on the host when padding, which only the CPU asks for)."""
     N = expert_N.shape[0]
-    counts = torch.bincount(expert_N, minlength=E)
+    counts = expert_counts(expert_N, E)
     order = torch.argsort(expert_N, stable=True)
     sizes = counts if multiple == 1 else (counts + multiple - 1) // multiple * multiple
     pad = sizes - counts

@@ -22,7 +22,7 @@ from zaya.model.config import ZayaConfig
 from zaya.model.groups import ParameterGroup, parameter_groups
 from zaya.model.layers import EmbeddingScaling, ResidualScaling, RMSNorm, RotaryEmbedding
 from zaya.model.loss import linear_cross_entropy
-from zaya.model.moe import Experts, ZayaMoE
+from zaya.model.moe import Experts, ZayaMoE, expert_counts
 from zaya.model.router import Routing, ZayaRouter, initial_balancing_biases
 
 
@@ -53,7 +53,7 @@ class RouterStats:
         if self._paused:
             return
         with torch.no_grad():
-            self.counts[layer] += torch.bincount(routing.route, minlength=self.counts.shape[1])
+            self.counts[layer] += expert_counts(routing.route, self.counts.shape[1])
             p = routing.probs
             self.entropy_sum[layer] += -(p * torch.log(p.clamp_min(1e-30))).sum().double()
         if layer == 0:
