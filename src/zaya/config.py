@@ -36,6 +36,7 @@ from zaya.optim.config import OptimConfig
 from zaya.optim.schedule import ScheduleConfig
 from zaya.parallel.config import ACTIVATION_CHECKPOINTING, ParallelConfig
 from zaya.train.config import (
+    COMPILE_CHOICES,
     PRECISIONS,
     WANDB_MODES,
     BalanceSection,
@@ -82,11 +83,12 @@ class RunConfig:
         data.pop("source")
         return data
 
-    def resolve(self, world_size: int, precision: str | None = None) -> ResolvedRun:
+    def resolve(self, world_size: int, precision: str | None = None, auto_compile: bool = True) -> ResolvedRun:
         """This config resolved for a job of `world_size` ranks (`zaya.train.run`; its `check_job` says whether
         the job fits). `precision` decides `train.precision = "auto"` ("bf16" or "fp32", as measured on the device
         or recorded by the run being resumed); in fp32 so chosen, Newton-Schulz runs in fp32 too: its bf16
-        products would be as slow as the model's."""
+        products would be as slow as the model's. `auto_compile` is what `train.compile = "auto"` becomes
+        (`zaya.device.compiles_training`; the planner plans accelerators, where it is on)."""
         precision = precision or self.train.precision
         if precision not in ("bf16", "fp32"):
             raise ZayaError(f"{self.source}: train.precision = {self.train.precision!r} needs a decision "
@@ -94,7 +96,8 @@ class RunConfig:
         optim = self.optim
         if self.train.precision == "auto" and precision == "fp32":
             optim = dataclasses.replace(optim, ns_dtype="float32")
-        train = dataclasses.replace(self.train, precision=precision)
+        compile_ = auto_compile if self.train.compile == "auto" else self.train.compile
+        train = dataclasses.replace(self.train, precision=precision, compile=compile_)
         resolved = dataclasses.replace(self, train=train, optim=optim)
         ramp = ramp_for(self.data.ramp_start, self.data.ramp_increment, train.global_batch_size,
                         self.data.ramp_samples)
@@ -199,7 +202,14 @@ def _convert(hint: Any, value: Any, source: str, key: str) -> Any:
         return dict(value)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(hint) if a is not type(None)]
-        return None if value is None else _convert(options[0], value, source, key)
+        if value is None:
+            return None
+        for option in options[:-1]:  # the first that takes the value; the last one's error if none does
+            try:
+                return _convert(option, value, source, key)
+            except ZayaError:
+                continue
+        return _convert(options[-1], value, source, key)
     if hint is Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
@@ -238,9 +248,8 @@ def _validate(config: RunConfig) -> None:
     if config.logging.wandb_mode not in WANDB_MODES:
         raise ZayaError(f"{config.source}: key 'logging.wandb_mode' must be one of "
                         f"{', '.join(repr(m) for m in WANDB_MODES)}, got {config.logging.wandb_mode!r}")
-    if train.compile and train.precision == "fp32":
-        raise ZayaError(f"{config.source}: train.compile needs train.precision = 'bf16' (compiled grouped matmuls "
-                        "take bf16 operands)")
+    if train.compile not in COMPILE_CHOICES:
+        raise ZayaError(f"{config.source}: key 'train.compile' must be true, false or \"auto\", got {train.compile!r}")
     if train.global_batch_size % train.micro_batch_size:
         raise ZayaError(f"{config.source}: train.global_batch_size ({train.global_batch_size}) is not a multiple of "
                         f"train.micro_batch_size ({train.micro_batch_size})")

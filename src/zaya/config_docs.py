@@ -118,6 +118,8 @@ def type_name(hint: Any) -> str:
         return "string"
     if origin in (typing.Union, types.UnionType):
         options = [a for a in args if a is not type(None)]
+        if len(options) > 1:
+            return " or ".join(type_name(a) for a in options)
         return f"{type_name(options[0])} (optional)"
     if origin is tuple:
         names = {type_name(a) for a in args}

@@ -5,6 +5,7 @@ ROCm builds of PyTorch expose AMD GPUs through the `torch.cuda` namespace, so "c
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -116,6 +117,49 @@ def device_present(device: str | torch.device) -> bool:
 def compiles_newton_schulz(device: torch.device) -> bool:
     """Whether Newton-Schulz's `auto` backend compiles the iteration on `device`: on accelerators, where one
     kernel per step beats the eager iteration's launches; the CPU keeps the eager, block-symmetric form."""
+    return device.type == "cuda"
+
+
+def use_tf32(device: torch.device, enabled: bool) -> None:
+    """Let fp32 matmuls and convolutions on `device` use TF32 tensor cores (a process-wide switch of torch's);
+    CPUs have none."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+class DeviceTimer:
+    """Times the work queued on `device` between `__init__` and `stop` without waiting for it: on accelerators
+    through two timing events, read (waiting for the end one only then) by `seconds`; on the CPU, whose work runs
+    as it is queued, by the host clock."""
+
+    def __init__(self, device: torch.device):
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._started, self._seconds = time.perf_counter(), None
+
+    def stop(self) -> DeviceTimer:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._started
+        return self
+
+    def seconds(self) -> float:
+        if self._seconds is None:
+            start, end = self._events
+            end.synchronize()
+            self._seconds = start.elapsed_time(end) / 1e3
+        return self._seconds
+
+
+def compiles_training(device: torch.device) -> bool:
+    """What `train.compile = "auto"` is on `device`: on accelerators, where one graph per block launches a
+    fraction of the eager kernels; off on CPUs, where a compilation (about a minute per block kind) costs more
+    than it saves in the runs a CPU makes (`benchmarks/train_step.py` measures both)."""
     return device.type == "cuda"
 
 

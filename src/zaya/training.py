@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 
 from zaya.config import RunConfig
-from zaya.device import auto_precision, fast_bf16_matmul, rank_device, resolve_device
-from zaya.errors import ZayaError
+from zaya.device import auto_precision, compiles_training, fast_bf16_matmul, rank_device, resolve_device
 from zaya.parallel.launch import Launch
 from zaya.parallel.mesh import backend_for
 from zaya.plan.devices import peak_flops
@@ -80,8 +79,7 @@ class TrainingJob:
         precision = train.precision
         if precision == "auto":
             precision = recorded or auto_precision(device, measure_bf16)
-            _check_compile(config, precision, device)
-        run = config.resolve(launch.world_size, precision)
+        run = config.resolve(launch.world_size, precision, compiles_training(device))
         run.check_job()
         check_inputs(run, resume_from, allow_data_change)
         return cls(config, Path(run_dir), launch, environ, device, supervision, policy, resume_from, recorded, run,
@@ -95,8 +93,7 @@ class TrainingJob:
         if self.config.train.precision == "auto" and self.recorded is None:
             agreed = "fp32" if "fp32" in launch.gather("precision", run.precision) else "bf16"
             if agreed != run.precision:
-                _check_compile(self.config, agreed, self.device)
-                run = self.run = self.config.resolve(launch.world_size, agreed)
+                run = self.run = self.config.resolve(launch.world_size, agreed, compiles_training(self.device))
         supervision = self.supervision
         listeners, scales = [], []
         if supervision.heartbeat_dir is not None:
@@ -140,8 +137,3 @@ def report_plots(run_dir: Path) -> dict[str, Path]:
 
     return {path.stem: path for path in build_report(run_dir).figures}
 
-
-def _check_compile(config: RunConfig, precision: str, device: torch.device) -> None:
-    if config.train.compile and precision != "bf16":
-        raise ZayaError(f"{config.source}: train.compile needs bf16, but train.precision = 'auto' is fp32 on "
-                        f"{device} (its bf16 matmuls are slow); set train.compile = false")

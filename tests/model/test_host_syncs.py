@@ -3,33 +3,10 @@ and queue the kernels. Counted on the CPU by a dispatch mode that records the op
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import zaya
+from host_syncs import HostSyncs
 from zaya.model.loss import IGNORE_INDEX
-
-# ops whose output size or value the host must read from the device
-ALWAYS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", "aten::unique", "aten::_unique2",
-          "aten::unique_dim", "aten::unique_consecutive", "aten::masked_select"}
-
-
-class HostSyncs(TorchDispatchMode):
-    """The names of the syncing ops dispatched inside, in order."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        # repeat_interleave with tensor repeats (its .Tensor form, which the others call) sizes its output from
-        # their sum, unless output_size is given
-        unsized = func._overloadname == "Tensor" and name == "aten::repeat_interleave" and (
-            kwargs.get("output_size") is None)
-        if name in ALWAYS or unsized:
-            self.ops.append(name)
-        return func(*args, **kwargs)
 
 
 def test_the_counter_sees_the_ops_that_sync():

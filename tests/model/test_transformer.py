@@ -33,7 +33,7 @@ def test_a_block_at_init_is_a_plain_prenorm_block(make_model):
     rope = (*model.rotary(torch.arange(6)), model.rotary.partner)
     state = torch.randn(12, model.config.router_hidden_size)
     with torch.no_grad():
-        out, _ = block(h, state, rope)
+        out, _, _ = block(h, state, rope)
         u = h + block.attn(block.attn_norm(h), rope)
         expected = u + block.moe(block.moe_norm(u), state)[0]
     torch.testing.assert_close(out, expected)

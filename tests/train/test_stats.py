@@ -1,5 +1,6 @@
 """The step's statistics: fields packed into one buffer, summed over ranks, unpacked by name and kind."""
 
+import numpy as np
 import torch
 
 from zaya.train.stats import StepStats
@@ -13,6 +14,7 @@ def _fields(rank: int) -> StepStats:
     stats.per_rank("memory", 100.0 + rank)
     stats.per_rank("sent", 0.0)
     stats.from_main("deadline", 7.0)
+    stats.same("norm", torch.tensor(float("inf")))  # every rank holds it: rank 0's arrives, even not finite
     stats.set("sent", 10.0 * (rank + 1))  # known only after the buffer's size
     return stats
 
@@ -33,5 +35,6 @@ def test_fields_are_summed_over_the_ranks_and_returned_by_name_and_shape():
     assert out["memory"].tolist() == [100.0, 101.0]
     assert out["sent"].tolist() == [10.0, 20.0]
     assert float(out["deadline"]) == 7.0  # rank 0's value: the others send zero
-    assert all(value.device.type == "cpu" and value.dtype == torch.float64 for value in out.values())
-    assert _fields(0).nbytes == 8 * (6 + 1 + 1 + 2 + 2 + 1)
+    assert float(out["norm"]) == float("inf")
+    assert all(isinstance(value, np.ndarray) and value.dtype == np.float64 for value in out.values())
+    assert _fields(0).nbytes == 8 * (6 + 1 + 1 + 2 + 2 + 1 + 1)

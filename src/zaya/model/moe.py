@@ -7,7 +7,8 @@
 Dispatch sorts the tokens by expert and runs each projection as one grouped matmul over contiguous row
 ranges (`torch._grouped_mm` where it exists, else one padded batched matmul), so no Python loop issues a
 matmul per expert. Where the device module asks for it (CPU, half precision) each range is padded with zero
-rows to a fixed multiple, so that the per-group GEMM shapes recur; only then does anything wait on the host.
+rows to a fixed multiple, so that the per-group GEMM shapes recur; only then, and only eagerly, does anything
+wait on the host. The whole dispatch compiles into one graph (`torch.compile(fullgraph=True)`).
 """
 
 from __future__ import annotations
@@ -110,11 +111,14 @@ def expert_counts(expert_N: torch.Tensor, E: int) -> torch.Tensor:
                                                                                 torch.ones_like(expert_N))
 
 
-@torch.compiler.disable  # data-dependent sizes: the graph breaks here anyway; the bookkeeping runs eagerly
 def _group_rows(expert_N: torch.Tensor, E: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The grouped layout: each expert's tokens on contiguous rows, in token order, expert 0 first, every
     group padded with zero rows to a multiple of `multiple`. Returns each token's row, the group sizes [E]
-    and the number of rows (read on the host when padding, which only the CPU asks for)."""
+    and the number of rows.
+
+    With padding (only the CPU asks for it) the number of rows depends on the counts: eagerly it is read back
+    to the host; a compiled graph cannot read it and takes the bound N + E (multiple - 1) instead, rounded up to
+    a multiple, the last group taking the slack, so the graph's shapes depend on N alone."""
     N = expert_N.shape[0]
     counts = expert_counts(expert_N, E)
     order = torch.argsort(expert_N, stable=True)
@@ -124,8 +128,13 @@ def _group_rows(expert_N: torch.Tensor, E: int, multiple: int) -> tuple[torch.Te
     expert_sorted = expert_N[order]
     row_N = torch.empty_like(order)
     row_N[order] = torch.arange(N, device=order.device) + shift[expert_sorted]
-    rows = N if multiple == 1 else int(sizes.sum())
-    return row_N, sizes, rows
+    if multiple == 1:
+        return row_N, sizes, N
+    if torch.compiler.is_compiling():
+        rows = -(-(N + E * (multiple - 1)) // multiple) * multiple
+        sizes = torch.cat([sizes[:-1], (rows - sizes[:-1].sum()).view(1)])
+        return row_N, sizes, rows
+    return row_N, sizes, int(sizes.sum())
 
 
 class _ToRows(torch.autograd.Function):
@@ -176,7 +185,7 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NK: torch.Tensor, w_EMK: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x_NK, w_EMK, offsets)
-        return torch._grouped_mm(x_NK, w_EMK.transpose(-2, -1), offs=offsets)
+        return _grouped_mm(x_NK, w_EMK.transpose(-2, -1), offsets)
 
     @staticmethod
     def backward(ctx, grad_NM: torch.Tensor):
@@ -184,11 +193,34 @@ class _GroupedMM(torch.autograd.Function):
         grad_NM = grad_NM.contiguous()  # the kernel rejects broadcast (zero-stride) gradients
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch._grouped_mm(grad_NM, w_EMK, offs=offsets)
+            grad_x = _grouped_mm(grad_NM, w_EMK, offsets)
         if ctx.needs_input_grad[1]:
             # per group: dW_e = dY_e^T X_e, a grouped matmul whose groups split the shared (token) dimension
-            grad_w = torch._grouped_mm(grad_NM.t(), x_NK, offs=offsets)
+            grad_w = _grouped_mm(grad_NM.t(), x_NK, offsets)
         return grad_x, grad_w, None
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    # The compiler's shape function for `torch._grouped_mm` takes bf16 only, while the kernels also take fp32
+    # and fp16: in a compiled graph those run through `zaya::grouped_mm`, the same kernel behind a shape function
+    # of its own.
+    if a.dtype == torch.bfloat16 or not torch.compiler.is_compiling():
+        return torch._grouped_mm(a, b, offs=offsets)
+    return grouped_mm_op(a, b, offsets)
+
+
+if HAS_GROUPED_MM:
+    @torch.library.custom_op("zaya::grouped_mm", mutates_args=())
+    def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """`torch._grouped_mm(a, b, offs=offsets)`, opaque to the compiler."""
+        return torch._grouped_mm(a, b, offs=offsets)
+
+    @grouped_mm_op.register_fake
+    def _(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if a.dim() == 2 and b.dim() == 3:  # rows grouped: [N, K] x [E, K, M] -> [N, M]
+            return a.new_empty(a.shape[0], b.shape[-1])
+        # the shared dimension grouped: [M, N] x [N, K] -> [E, M, K]
+        return a.new_empty(offsets.shape[0], a.shape[0], b.shape[1])
 
 
 def _autocast_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,9 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,37 +24,34 @@ from zaya.model.router import Routing, ZayaRouter, initial_balancing_biases
 
 
 class RouterStats:
-    """Collects what the routers decided during one or more forward passes, without host syncs.
+    """Collects what the routers decided during one or more forward passes, on the device (no host syncs).
 
     `counts[l, i]` is how many tokens MoE layer l sent to route i (the last column is the skip route),
     `entropy_sum[l]` the summed entropy of its routing distributions, `tokens` the tokens seen per layer.
+    The blocks measure (`measure`) and the model's loop records, outside the blocks: a compiled block's code is
+    then the same for every layer, and a checkpointed block that runs its forward again in backward records
+    nothing twice.
     """
 
     def __init__(self, num_layers: int, num_routes: int, device: torch.device | str = "cpu"):
         self.counts = torch.zeros(num_layers, num_routes, dtype=torch.int64, device=device)
         self.entropy_sum = torch.zeros(num_layers, dtype=torch.float64, device=device)
         self.tokens = 0
-        self._paused = False
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Drop the records made inside: a backward pass that recomputes checkpointed blocks runs their forward
-        (and their routers) a second time."""
-        self._paused = True
-        try:
-            yield
-        finally:
-            self._paused = False
-
-    def record(self, layer: int, routing: Routing) -> None:
-        if self._paused:
-            return
+    @staticmethod
+    def measure(routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's route counts [E + 1] and summed routing entropy (fp64), for `record`."""
         with torch.no_grad():
-            self.counts[layer] += expert_counts(routing.route, self.counts.shape[1])
             p = routing.probs
-            self.entropy_sum[layer] += -(p * torch.log(p.clamp_min(1e-30))).sum().double()
+            entropy = -(p * torch.log(p.clamp_min(1e-30))).sum().double()
+            return expert_counts(routing.route, p.shape[-1]), entropy
+
+    def record(self, layer: int, measured: tuple[torch.Tensor, torch.Tensor], tokens: int) -> None:
+        counts, entropy = measured
+        self.counts[layer] += counts
+        self.entropy_sum[layer] += entropy
         if layer == 0:
-            self.tokens += routing.route.numel()
+            self.tokens += tokens
 
 
 class ZayaBlock(nn.Module):
@@ -79,27 +73,29 @@ class ZayaBlock(nn.Module):
         router_state: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         cache: AttentionCache | None = None,
-        stats: RouterStats | None = None,
         sequence: SequenceShard | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.after_attention(self.attn(self.attn_norm(h), rope, cache, sequence), h, router_state, stats)
+        *,
+        measure: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The new stream, the router state, and with `measure` the routing's statistics (`RouterStats.measure`)."""
+        a = self.attn(self.attn_norm(h), rope, cache, sequence)
+        h, routing = self._after_attention(a, h, router_state)
+        return h, routing.state, RouterStats.measure(routing) if measure else None
 
     def after_attention(
-        self,
-        a: torch.Tensor,
-        h: torch.Tensor,
-        router_state: torch.Tensor | None,
-        stats: RouterStats | None = None,
-        *,
-        gathered: bool = False,
+        self, a: torch.Tensor, h: torch.Tensor, router_state: torch.Tensor | None, *, gathered: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest of the block once the attention output `a` of stream `h` is known: its merge, the MoE
         sublayer and its merge (`gathered`: see `ZayaMoE.forward`). Returns the new stream and router state."""
+        h, routing = self._after_attention(a, h, router_state, gathered=gathered)
+        return h, routing.state
+
+    def _after_attention(
+        self, a: torch.Tensor, h: torch.Tensor, router_state: torch.Tensor | None, *, gathered: bool = False
+    ) -> tuple[torch.Tensor, Routing]:
         u = self.attn_residual(a, h)
         m, routing = self.moe(self.moe_norm(u), router_state, gathered=gathered)
-        if stats is not None:
-            stats.record(self.index, routing)
-        return self.moe_residual(m, u), routing.state
+        return self.moe_residual(m, u), routing
 
 
 class Zaya(nn.Module):
@@ -182,7 +178,10 @@ class Zaya(nn.Module):
         router_state = None
         for i, block in enumerate(self.blocks):
             layer_cache = cache.layers[i] if cache is not None else None
-            h, router_state = block(h, router_state, rope, layer_cache, router_stats, sequence)
+            h, router_state, measured = block(h, router_state, rope, layer_cache, sequence,
+                                              measure=router_stats is not None)
+            if measured is not None:
+                router_stats.record(i, measured, input_ids.numel())
         return self.norm(h)
 
     def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:

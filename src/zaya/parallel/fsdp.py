@@ -17,6 +17,11 @@ router's and (with `fp32_logits`, so that the tied LM head runs in fp32 as in on
 fp32; gradients are reduced in fp32 into the fp32 shards the optimizer updates. Forward inputs are not cast:
 the residual stream stays fp32, and autocast still covers the activations.
 
+Compiled blocks (`train.compile`) are one graph each, and FSDP's hooks are never traced: a unit nested in a
+compiled block would break its graph. There the router is no unit of its own: the block is one unit gathered
+in fp32, and autocast casts its matrices to bf16 where they are used, as in one process (on one rank nothing
+is gathered; across ranks a block's gather moves twice the bytes of a bf16 one).
+
 Placement: every parameter is split along its first dimension (`torch.chunk`'s rows), except a stack of
 experts [E, m, n] whose E does not divide evenly over the ranks while its rows m do: it is split along m, so
 that memory stays balanced (E = 16 on 32 ranks would leave half of them empty), and Muon then gives each of
@@ -26,15 +31,16 @@ no communication for them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import Shard
+from torch.utils.checkpoint import checkpoint
 
 from zaya.errors import ZayaError
 from zaya.model.transformer import Zaya
@@ -59,20 +65,22 @@ class Unit:
     reshard_after_forward: bool
 
 
-def fsdp_units(model: Zaya) -> Iterator[Unit]:
-    """The units of the module docstring, innermost first (the order `fully_shard` must see them in)."""
+def fsdp_units(model: Zaya, compiled: bool = False) -> Iterator[Unit]:
+    """The units of the module docstring, innermost first (the order `fully_shard` must see them in), for
+    compiled blocks or eager ones."""
     for block in model.blocks:
-        yield Unit(block.moe.router, keep_fp32=True, reshard_after_forward=True)
-        yield Unit(block, keep_fp32=False, reshard_after_forward=True)
+        if not compiled:
+            yield Unit(block.moe.router, keep_fp32=True, reshard_after_forward=True)
+        yield Unit(block, keep_fp32=compiled, reshard_after_forward=True)
     # FSDP2 keeps the root's parameters gathered from forward to backward: they are needed first in backward
     yield Unit(model, keep_fp32=model.config.fp32_logits, reshard_after_forward=False)
 
 
-def unit_parameters(model: Zaya) -> list[tuple[Unit, list[nn.Parameter]]]:
+def unit_parameters(model: Zaya, compiled: bool = False) -> list[tuple[Unit, list[nn.Parameter]]]:
     """Each unit with the parameters `fully_shard` gives it: its own, less those of the units before it."""
     taken: set[int] = set()
     result = []
-    for unit in fsdp_units(model):
+    for unit in fsdp_units(model, compiled):
         params = [p for p in unit.module.parameters() if id(p) not in taken]
         taken.update(id(p) for p in params)
         result.append((unit, params))
@@ -88,11 +96,13 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
                         f"{config.activation_checkpointing!r}")
     for block in model.blocks:
         if config.activation_checkpointing == "full":
-            checkpoint(block)
+            recompute_in_backward(block)
         elif config.activation_checkpointing == "moe":
-            checkpoint(block.moe)
+            recompute_in_backward(block.moe)
         if config.compile:
-            block.compile()
+            # one graph per block, and the same code for every block past the first (its router has no EDA
+            # state): the block's parameters are graph inputs, and nothing in it reads its index
+            block.compile(fullgraph=True)
     dp_mesh = mesh
     replicas = mesh.size(0) if mesh.ndim == 2 else 1
     ranks = mesh.size(mesh.ndim - 1)
@@ -101,7 +111,7 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
     def placement(param: nn.Parameter) -> Shard:
         return Shard(shard_dim(tuple(param.shape), ranks))
 
-    for unit in fsdp_units(model):
+    for unit in fsdp_units(model, config.compile):
         low = torch.bfloat16 if bf16 and not unit.keep_fp32 else None
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if bf16 else None,
                                       cast_forward_inputs=False)
@@ -116,14 +126,35 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
     return model
 
 
-def fsdp_volume(model: Zaya, shard_ranks: int, replicas: int, precision: str, micro_batches: int = 1) -> float:
+def recompute_in_backward(module: nn.Module) -> None:
+    """Activation checkpointing of `module`: its forward runs again in backward instead of keeping what it
+    saves (`torch.utils.checkpoint`, non-reentrant), with its parameter names unchanged. The composable
+    `checkpoint` would do the same through hooks the compiler cannot trace; this compiles into the block's
+    graph."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
+    module.recomputed_in_backward = True
+
+
+def is_recomputed(module: nn.Module) -> bool:
+    """Whether `recompute_in_backward` was applied to `module`."""
+    return getattr(module, "recomputed_in_backward", False)
+
+
+def fsdp_volume(model: Zaya, shard_ranks: int, replicas: int, precision: str, micro_batches: int = 1,
+                compiled: bool = False) -> float:
     """FSDP2's theoretical bytes sent per rank in one optimizer step of `micro_batches` micro-batches, by the
     formulas of `zaya.parallel.comm` and without the padding of uneven shards: per unit and micro-batch one
     all-gather of its parameters in forward, one more in backward if it reshards after forward, one
     reduce-scatter of its gradients (fp32), and with HSDP one all-reduce of the reduced shards."""
     n, r = shard_ranks, replicas
     total = 0.0
-    for unit, params in unit_parameters(model):
+    for unit, params in unit_parameters(model, compiled):
         numel = sum(p.numel() for p in params)
         param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else 4
         gathers = 2 if unit.reshard_after_forward else 1

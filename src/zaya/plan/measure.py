@@ -47,8 +47,8 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 def activation_bytes(forward: Callable[[], Any], model: nn.Module) -> tuple[Any, int]:
     """(forward(), bytes saved for backward): see the module docstring. Checkpointed regions are the modules
-    `torch.distributed._composable.checkpoint` was applied to."""
-    from torch.distributed._composable.checkpoint_activation import checkpoint
+    `zaya.parallel.fsdp.recompute_in_backward` was applied to."""
+    from zaya.parallel.fsdp import is_recomputed
 
     storages: dict[int, int] = {}
 
@@ -71,7 +71,7 @@ def activation_bytes(forward: Callable[[], Any], model: nn.Module) -> tuple[Any,
                 keep(value)
 
     handles = [module.register_forward_pre_hook(inputs, with_kwargs=True)
-               for module in model.modules() if checkpoint.state(module) is not None]
+               for module in model.modules() if is_recomputed(module)]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             result = forward()

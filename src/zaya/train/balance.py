@@ -62,8 +62,9 @@ class BalanceController:
         derivative = error - self.state.previous_error if self.state.steps else torch.zeros_like(error)
         biases = self.state.base + self.kp * error + self.ki * self.state.integral + self.kd * derivative
         biases -= biases.mean(dim=1, keepdim=True)
-        for router, row in zip(self.routers, biases, strict=True):
-            router.balancing_biases[:num_experts] = row.to(router.balancing_biases)
+        device = biases.to(self.routers[0].balancing_biases, non_blocking=True)  # one copy to the device
+        for router, row in zip(self.routers, device, strict=True):
+            router.balancing_biases[:num_experts] = row
         self.state.previous_error = error
         self.state.steps += 1
         return error

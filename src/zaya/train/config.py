@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from zaya.data.config import Source
 
 PRECISIONS = ("bf16", "fp32", "auto")
+COMPILE_CHOICES = (True, False, "auto")
 WANDB_MODES = ("", "online", "offline", "disabled")
 
 
@@ -25,9 +26,13 @@ class TrainSection:
     eval_every: int = 50  # steps between held-out evaluations; 0 disables
     eval_batches: int = 8  # global batches of held-out windows in each evaluation
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
-    # torch.compile each block (fuses the elementwise work; costs a compilation at start, needs a C++
-    # compiler on CPUs and Triton on GPUs)
-    compile: bool = False
+    # torch.compile each block, one graph per block (fuses the elementwise work, launches fewer kernels; costs
+    # a compilation at start, needs a C++ compiler on CPUs and Triton on GPUs); "auto": on accelerators, off
+    # on CPUs, where a compilation costs more than it saves in a run of a few hundred steps (docs/benchmarks.md)
+    compile: bool | str = "auto"
+    # TF32 tensor cores for the fp32 matmuls that remain (the routers, the fp32 LM head, any fp32 run); no
+    # effect on CPUs
+    tf32: bool = True
     # recompute activations in backward instead of keeping them: "none", "full" (every block keeps only its
     # input) or "moe" (the MoE sublayers, whose expert activations are the largest)
     activation_checkpointing: str = "none"

@@ -8,9 +8,10 @@ One optimizer step:
                                                           gradients; bf16 autocast, fp32 master shards;
                                                           with cp > 1 each rank takes its part of every
                                                           sequence: zaya.train.phases)
-    clip the global norm;  lr = initial_lr * schedule(step) * phase scale;  optimizer.step()
-                                                         (not taken if the norm is not finite)
-    one all-reduce of the step's statistics (zaya.train.stats);  balancing controller.update(global counts)
+    clip the global norm;  lr = initial_lr * schedule(step) * phase scale
+    one all-reduce of the step's statistics, the norm's among them, read back: the step's only wait for the
+                                                          device (zaya.train.stats)
+    optimizer.step() (not taken if the norm is not finite);  balancing controller.update(global counts)
     the training signals: a loss spike rolls back to the last checkpoint (zaya.train.signals)
     phase switch once its token budget is spent (a new mesh if its cp differs);  metrics;  eval;  checkpoint
     a stop request (SIGTERM, SIGUSR1, train.max_time_s) ends the run after the step with a checkpoint and exit
@@ -35,15 +36,17 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from zaya import checkpoint as ckpt
 from zaya.device import (
     STARTUP_MEASURE_S,
+    DeviceTimer,
     measure_matmul_flops,
     peak_memory_bytes,
-    synchronize,
     tune_host_allocator,
+    use_tf32,
     vendor,
 )
 from zaya.errors import StartupFailed, ZayaError
@@ -95,6 +98,7 @@ class Trainer:
         self.saved_step = -1  # the step of the last checkpoint this process wrote
         self.parallel: ParallelContext | None = None
         self.metrics: MetricsLogger | None = None
+        self.optimizer_timer: DeviceTimer | None = None  # the last step's optimizer, read when its row is logged
 
     @property
     def stopped(self) -> str | None:
@@ -106,6 +110,7 @@ class Trainer:
     def _build(self) -> None:
         """The current phase's mesh, the model sharded on it, the optimizer, and the checkpoint restored."""
         tune_host_allocator()
+        use_tf32(self.device, self.config.train.tf32)
         previous = self.parallel
         self.parallel = init_parallel(self.config.parallel_of(self.start_phase), self.device, self.launch,
                                       self.config.source)
@@ -256,26 +261,24 @@ class Trainer:
                 loss, grad_factor = self.curriculum.micro_loss(self.model, micro, routes)
                 if scale != 1.0:
                     loss = loss * scale
-            with routes.paused():  # checkpointed blocks route again in backward
-                (loss * (grad_factor * micro.shape[0] / rows)).backward()
+            (loss * (grad_factor * micro.shape[0] / rows)).backward()
             loss_sum += loss.detach().double() * micro.shape[0]
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm_(params, train.grad_clip, self._all_reduce)
         lr_scale = self.stops.schedule().multiplier(step) * phase.lr_scale
         set_lr_multiplier(self.optimizer, lr_scale)
+        reduced = self._reduce(routes, loss_sum, grad_norm, host_time)  # the step's one read of the device
         # the norm is global, so every rank takes the same branch
-        skipped = not bool(torch.isfinite(grad_norm)) and self.signals.nonfinite(step, float(grad_norm))
-        synchronize(self.device)
-        started = time.perf_counter()
+        norm = float(reduced["grad_norm"])
+        skipped = not math.isfinite(norm) and self.signals.nonfinite(step, norm)
+        self.optimizer_timer = DeviceTimer(self.device)
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)  # parameters and optimizer state stay as they were
         else:
             self.optimizer.step()
             self.signals.updated()
-        synchronize(self.device)
-        optimizer_time = time.perf_counter() - started
-        reduced = self._reduce(routes, loss_sum, host_time)
-        counts = reduced["route_counts"].round().long()
+        self.optimizer_timer.stop()
+        counts = torch.from_numpy(reduced["route_counts"]).round().long()
         if self.config.balance.enabled and not skipped:
             self.controller.update(counts)
         tokens = global_batch * phase.seq_len
@@ -284,8 +287,8 @@ class Trainer:
         stop = self.stops.take(reduced, progress.step, progress.samples)
         counts = counts.double()
         return {
-            "loss": float(reduced["loss"] / global_batch),
-            "grad_norm": float(grad_norm),
+            "loss": float(reduced["loss"]) / global_batch,
+            "grad_norm": norm,
             "lr": self.optimizer.param_groups[0]["lr"],
             "lr_multiplier": lr_scale,
             "batch_size": global_batch,
@@ -293,9 +296,8 @@ class Trainer:
             "phase": phase.name,
             "expert_load": (counts[:, :-1] / counts.sum(1, keepdim=True).clamp_min(1)).tolist(),
             "expert_imbalance": load_imbalance(counts).tolist(),
-            "router_entropy": (reduced["route_entropy"] / counts.sum(1).clamp_min(1)).tolist(),
-            "skip_rate": float(counts[:, -1].sum() / counts.sum().clamp_min(1)),
-            "optimizer_time": optimizer_time,
+            "router_entropy": (torch.from_numpy(reduced["route_entropy"]) / counts.sum(1).clamp_min(1)).tolist(),
+            "skip_rate": counts[:, -1].sum().tolist() / max(1.0, counts.sum().tolist()),
             "peak_memory_bytes": [int(v) for v in reduced["peak_memory_bytes"].tolist()],
             "comm_bytes": [int(v) for v in reduced["comm_bytes"].tolist()],
             "host_time": reduced["host_time"].tolist(),
@@ -303,14 +305,18 @@ class Trainer:
             "stop": stop,
         }
 
-    def _reduce(self, routes: RouterStats, loss_sum: torch.Tensor, host_time: float) -> dict[str, torch.Tensor]:
-        """The step's one all-reduce: what the routers decided (the controller needs it globally), the summed loss,
-        each rank's peak memory, host time and bytes sent this step (this all-reduce's own included), and what
-        the stop rules carry."""
+    def _reduce(self, routes: RouterStats, loss_sum: torch.Tensor, grad_norm: torch.Tensor,
+                host_time: float) -> dict[str, np.ndarray]:
+        """The step's one all-reduce and its one read back to the host, before the optimizer step (which it
+        decides: a non-finite norm skips it): what the routers decided (the controller needs it globally), the
+        summed loss, the global gradient norm, each rank's peak memory, host time and bytes sent since the
+        last one (this all-reduce's own included, the previous step's optimizer's too), and what the stop rules
+        carry."""
         stats = StepStats(self.launch.rank, self.launch.world_size, self.device)
         stats.sum("route_counts", routes.counts)
         stats.sum("route_entropy", routes.entropy_sum)
         stats.sum("loss", loss_sum)
+        stats.same("grad_norm", grad_norm)
         stats.per_rank("peak_memory_bytes", peak_memory_bytes(self.device))
         stats.per_rank("host_time", host_time)
         stats.per_rank("comm_bytes", 0.0)
@@ -375,11 +381,11 @@ class Trainer:
             return last
         while self.progress.step < self.stops.end_step():
             self.hooks("step", self.progress.step)  # before the step's clocks: a listener's I/O is not its time
-            synchronize(self.device)
+            # no synchronize: the step reads the device once, and the work it leaves queued (its optimizer
+            # step) is waited for by the next one's read, so the steps' times add up to the time they take
             started = self.setup.timer()
             row = self.train_step()
             stop = row.pop("stop")
-            synchronize(self.device)
             seconds = self.setup.timer() - started
             self.stops.stepped(seconds, row["batch_size"])
             self._measured(row, seconds)
@@ -393,6 +399,7 @@ class Trainer:
                 self.hooks("eval", step)
                 row.update(self.evaluate())
             if step % logging.log_every == 0 or "eval_loss" in row or step == end or stop:
+                row["optimizer_time"] = self.optimizer_timer.seconds()  # read when logged: the wait is its own
                 self.metrics.log(row)
             self.metrics.progress(step, {"loss": f"{row['loss']:.3f}", "tok/s": f"{row['tokens_per_s']:,.0f}"},
                                   seconds=self.stops.clock.train_seconds)
