@@ -17,6 +17,8 @@ from zaya.plan.devices import get_device
 from zaya.plan.layout import Layout
 from zaya.plan.planner import plan_run
 from zaya.plan.search import layouts, search_layouts
+from zaya.plan.timing import SYNC_S, host_seconds, op_counts
+from zaya.train.stats import HOST_READS_PER_STEP
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "configs" / "zaya1-base.toml"
@@ -125,3 +127,19 @@ def test_more_gpus_need_less_state_per_gpu_and_checkpointing_less_activation_mem
     assert sixty_four.parameters < eight.parameters / 7
     modes = plan_run(config.resolve(8), get_device("h200")).first.activations_by_mode
     assert modes["full"] < modes["moe"] < modes["none"]
+
+
+def test_the_host_is_charged_for_the_kernels_it_issues_and_for_its_reads():
+    config = get_preset("micro")
+    ops = op_counts(config)
+    assert ops.syncs_per_block == ops.syncs_outside == 0  # the model reads nothing back
+    assert 0 < ops.library_per_block < ops.per_block
+    eager, reads = host_seconds(config, Layout(1, 1, 1, 1, 1, 2, "none", compiled=False), 2, 5e-6)
+    compiled, compiled_reads = host_seconds(config, Layout(1, 1, 1, 1, 1, 2, "none", compiled=True), 2, 5e-6)
+    assert reads == compiled_reads == HOST_READS_PER_STEP
+    assert compiled < eager / 2
+    # on an accelerator the kernels hide behind a big step's compute; the read does not
+    run = load_config(BASE, ["model.num_hidden_layers=4", "train.global_batch_size=1", "train.micro_batch_size=1",
+                             "data.ramp_start=0"]).resolve(1, "bf16")
+    time = plan_run(run, get_device("h200")).first.time
+    assert time.overhead == pytest.approx(HOST_READS_PER_STEP * (SYNC_S + 5e-6))

@@ -79,13 +79,14 @@ class Inventory:
         return tuple(unit for unit in self.units if unit.block)
 
 
-def inventory(config: ZayaConfig) -> Inventory:
-    """The `Inventory` of a model of `config` (cached: a layout search asks for it many times)."""
-    return _inventory(json.dumps(config.to_dict(), sort_keys=True))
+def inventory(config: ZayaConfig, compiled: bool = True) -> Inventory:
+    """The `Inventory` of a model of `config`, its units those of compiled blocks or eager ones (cached: a
+    layout search asks for it many times)."""
+    return _inventory(json.dumps(config.to_dict(), sort_keys=True), compiled)
 
 
 @functools.lru_cache(maxsize=16)
-def _inventory(key: str) -> Inventory:
+def _inventory(key: str, compiled: bool) -> Inventory:
     config = ZayaConfig(**json.loads(key))
     with torch.device("meta"):
         model = Zaya(config)
@@ -94,7 +95,7 @@ def _inventory(key: str) -> Inventory:
     # a router is a unit of its own inside its block: it counts as block memory, gathered with its block
     routers = {id(block.moe.router) for block in model.blocks}
     units = []
-    for unit, params in unit_parameters(model):
+    for unit, params in unit_parameters(model, compiled):
         members = tuple(Param(tuple(p.shape), id(p) in muon) for p in params)
         units.append(Unit(members, unit.keep_fp32, unit.reshard_after_forward,
                           id(unit.module) in blocks or id(unit.module) in routers))

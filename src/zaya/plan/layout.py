@@ -20,6 +20,7 @@ class Layout:
     cp: int
     micro_batch_size: int
     activation_checkpointing: str
+    compiled: bool = True  # blocks compiled (`train.compile`, on for accelerators): FSDP2's units differ
 
     @property
     def shard_ranks(self) -> int:

@@ -220,7 +220,7 @@ def memory_per_gpu(config: ZayaConfig, layout: Layout, seq_len: int, precision: 
                    details: DeviceDetails = GPU_DETAILS, mode: str | None = None) -> Memory:
     """The `Memory` of rank 0 (the largest shard) of a run of `layout` on sequences of `seq_len` tokens;
     `mode` overrides the layout's activation checkpointing."""
-    inv = inventory(config)
+    inv = inventory(config, layout.compiled)
     params, grads, optimizer = state_bytes(inv, layout.shard_ranks)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     saved, recompute = activation_bytes(config, tokens, seq_len, layout.cp, precision,

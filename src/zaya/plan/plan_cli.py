@@ -109,7 +109,7 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
     """Predict memory per GPU, communication, step time, MFU and run time of a training config."""
     from zaya.config import load_config
     from zaya.plan.devices import describe_devices
-    from zaya.plan.planner import plan_precision, plan_run
+    from zaya.plan.planner import plan_compile, plan_precision, plan_run
     from zaya.plan.search import describe, search_layouts, smallest_fit
     from zaya.plan.table import cache_dir
 
@@ -126,7 +126,7 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
     if gpus < 1:
         raise ZayaError(f"--gpus must be at least 1, got {gpus}")
     per_node = gpus_per_node or min(device.gpus_per_node, gpus)
-    run = config.resolve(gpus, precision)
+    run = config.resolve(gpus, precision, plan_compile(device_name))
     result = plan_run(run, device, table, per_node)
     data = result.to_dict()
     smallest = None if result.fits else smallest_fit(config, precision, device,

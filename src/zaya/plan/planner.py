@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zaya.device import auto_precision, default_accelerator, grouped_mm_row_multiple, loss_chunk_logits
+from zaya.device import (
+    auto_precision,
+    compiles_training,
+    default_accelerator,
+    grouped_mm_row_multiple,
+    loss_chunk_logits,
+)
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
 from zaya.model.flops import training_flops_per_token
@@ -158,7 +164,7 @@ def layout_of(run: ResolvedRun, gpus_per_node: int, phase: int) -> Layout:
     """The `Layout` the run's `[parallel]` gives phase `phase` on its GPUs."""
     mesh = run.mesh(phase)
     return Layout(run.world_size, gpus_per_node, mesh.dp_replicate, mesh.dp_shard, mesh.cp, run.train.micro_batch_size,
-                  run.train.activation_checkpointing)
+                  run.train.activation_checkpointing, bool(run.train.compile))
 
 
 def bandwidths_for(layout: Layout, device: DeviceSpec) -> dict[str, float]:
@@ -229,6 +235,12 @@ def plan_precision(device_name: str) -> str:
     """`train.precision = "auto"` on the device of that name: bf16 on a GPU; on this machine (`local`) what the
     trainer picks."""
     return auto_precision(torch.device("cpu")) if device_name == "local" else "bf16"
+
+
+def plan_compile(device_name: str) -> bool:
+    """`train.compile = "auto"` on the device of that name: on for a GPU; on this machine what the trainer
+    picks."""
+    return compiles_training(default_accelerator()) if device_name == "local" else True
 
 
 def plan_run(run: ResolvedRun, device: DeviceSpec, table=None, gpus_per_node: int | None = None,

@@ -6,9 +6,13 @@ and the collectives it waits for.
                                                                               Newton-Schulz)
               + attention FLOPs / attention rate                             (causal: T (T + 1) / 2 pairs)
               + elementwise bytes / memory bandwidth
-              + operators x the cost of issuing one     (on accelerators: only what outruns the
-                                                                              kernels, which run asynchronously)
+              + host                                    (see below)
     step      = compute + exposed communication
+
+    host      = kernels issued x the cost of issuing one   (on accelerators only what outruns the kernels,
+                                                            which run asynchronously)
+              + host reads x (one round trip + one launch)  (on accelerators: each drains the queue, and the
+                                                            device waits for the host to fill it again)
 
 Rates come from a measured table (`zaya shapes`, the `local` device) or, for a published device, a roofline:
 min(peak x its GEMM efficiency, arithmetic intensity x memory bandwidth). Elementwise work is counted from
@@ -17,8 +21,12 @@ read once (4 passes); the loss adds ~16 bytes per logit (log-softmax, exp, the o
 moves 28 bytes per element (reads p, g, m, v; writes p, m, v), Muon's momentum and update 24, clipping 8;
 FSDP2's copies into and out of its collective buffers are counted per micro-batch (`fsdp_copy_bytes`).
 On a measured device (`zaya shapes`) both are scaled by the factors `zaya.plan.calibrate` measured by
-running the model. The operator count is measured once by running a two-block and a one-block model of the
-same family and counting the ATen operators of forward and backward (`ops_per_block`).
+running the model. The operators are counted once by running a two-block and a one-block model of the same
+family through forward and backward (`op_counts`): all of them, the library calls among them (GEMMs,
+grouped GEMMs, attention, sorts, scatters: what a compiler calls rather than generates) and the ops that read
+the device back (`.item()`, `nonzero`, `bincount`, ...). Eager, every operator is issued from the host;
+compiled (`train.compile`), a block issues its library calls and about one fused kernel between each two, and
+each of its graphs costs one call. The trainer reads the device `HOST_READS_PER_STEP` times a step.
 
 Overlap, as the code does it: FSDP2 prefetches the next block's all-gather and reduce-scatters the previous
 block's gradients while a block computes, so FSDP and HSDP traffic is exposed only beyond the blocks'
@@ -40,6 +48,17 @@ from zaya.model.config import ZayaConfig
 from zaya.plan.layout import Layout
 from zaya.plan.memory import GPU_DETAILS, DeviceDetails, activation_bytes
 from zaya.plan.traffic import DIMENSION, Traffic
+from zaya.train.stats import HOST_READS_PER_STEP
+
+# ops whose output size or value the host must read back from the device
+SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", "aten::unique",
+                      "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive", "aten::masked_select"})
+# ops a compiled graph still runs as kernels of their own (library calls, sorts, scatters), by name prefix
+LIBRARY_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::convolution",
+               "aten::_scaled_dot_product", "aten::sort", "aten::scatter", "aten::index_put", "aten::index_copy",
+               "aten::gather", "aten::embedding", "aten::cumsum")
+SYNC_S = 20e-6  # one read's round trip from an accelerator (an assumption: 10-30 us on PCIe hosts)
+GRAPH_CALL_S = 30e-6  # one call of a compiled graph: its guards and wrapper on the host (an assumption)
 
 ADAMW_BYTES, MUON_BYTES, CLIP_BYTES = 28, 24, 8
 LOSS_BYTES_PER_LOGIT = 16
@@ -164,10 +183,23 @@ def attention_seconds(c: ZayaConfig, rates: Rates, seq_len: int, sequences: int,
     return forward * passes / rate
 
 
+@dataclass(frozen=True)
+class OpCounts:
+    """One forward + backward's operators: per block and outside the blocks (embedding, loss); all of them,
+    the library calls among them, and the host reads."""
+
+    per_block: float
+    outside: float
+    library_per_block: float
+    library_outside: float
+    syncs_per_block: float
+    syncs_outside: float
+
+
 @functools.lru_cache(maxsize=8)
-def _ops_per_block(key: str) -> tuple[float, float]:
-    """(operators per block, operators outside the blocks) of one forward + backward, counted on a small
-    model with the same options (`key`: its config as JSON)."""
+def _op_counts(key: str) -> OpCounts:
+    """`OpCounts` of a small model with the same options (`key`: its config as JSON): a one-block and a
+    two-block model's counts differ by one block."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -176,10 +208,13 @@ def _ops_per_block(key: str) -> tuple[float, float]:
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.calls = 0
+            self.calls = self.library = self.syncs = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name
             self.calls += 1
+            self.library += name.startswith(LIBRARY_OPS)
+            self.syncs += name in SYNC_OPS
             return func(*args, **(kwargs or {}))
 
     counts = []
@@ -190,16 +225,33 @@ def _ops_per_block(key: str) -> tuple[float, float]:
         ids = torch.randint(0, config.vocab_size, (1, 33), generator=torch.Generator().manual_seed(0))
         with Count() as count:
             model.loss(ids[:, :-1], ids[:, 1:]).backward()
-        counts.append(count.calls)
-    return float(counts[1] - counts[0]), float(2 * counts[0] - counts[1])
+        counts.append((count.calls, count.library, count.syncs))
+    (one, lib_one, sync_one), (two, lib_two, sync_two) = counts
+    return OpCounts(float(two - one), float(2 * one - two), float(lib_two - lib_one), float(2 * lib_one - lib_two),
+                    float(sync_two - sync_one), float(2 * sync_one - sync_two))
 
 
-def ops_per_block(config: ZayaConfig) -> tuple[float, float]:
-    """The operator counts of `_ops_per_block`, for a small model with `config`'s options."""
+def op_counts(config: ZayaConfig) -> OpCounts:
+    """The `OpCounts` of `_op_counts`, for a small model with `config`'s options."""
     small = {**config.to_dict(), "vocab_size": 256, "hidden_size": 64, "num_attention_heads": 2,
              "num_key_value_heads": 2, "head_dim": 16, "num_experts": 2, "moe_intermediate_size": 32,
              "router_hidden_size": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
-    return _ops_per_block(json.dumps(small, sort_keys=True))
+    return _op_counts(json.dumps(small, sort_keys=True))
+
+
+def host_seconds(c: ZayaConfig, layout: Layout, micro_batches: int, op_overhead_s: float) -> tuple[float, float]:
+    """(seconds the host spends issuing one step's kernels, host reads per step), eager or compiled blocks."""
+    ops, L = op_counts(c), c.num_hidden_layers
+    recomputed = {"none": 0.0, "moe": 0.25, "full": 0.5}[layout.activation_checkpointing] * L
+    if layout.compiled:
+        # a library call and about one fused kernel between each two; each block a forward and a backward graph
+        per_block = 2 * ops.library_per_block + 1
+        issued = micro_batches * (per_block * (L + recomputed) + ops.outside) * op_overhead_s
+        issued += micro_batches * 2 * L * GRAPH_CALL_S
+    else:
+        issued = micro_batches * (ops.per_block * (L + recomputed) + ops.outside) * op_overhead_s
+    reads = micro_batches * (ops.syncs_per_block * L + ops.syncs_outside) + HOST_READS_PER_STEP
+    return issued, reads
 
 
 def fsdp_copy_bytes(c: ZayaConfig, layout: Layout, precision: str) -> float:
@@ -209,7 +261,7 @@ def fsdp_copy_bytes(c: ZayaConfig, layout: Layout, precision: str) -> float:
     from zaya.plan.inventory import inventory
 
     total = 0.0
-    for unit in inventory(c).units:
+    for unit in inventory(c, layout.compiled).units:
         param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else 4
         gathers = 2 if unit.reshard_after_forward and layout.shard_ranks > 1 else 1
         total += gathers * 4 * unit.numel * param_bytes + 6 * unit.numel * 4
@@ -271,13 +323,12 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     # measured on the device: how much slower than the bytes say (`zaya.plan.calibrate`)
     seconds = moved / rates.memory_bandwidth * (getattr(rates, "elementwise_factor", 0.0) or 1.0)
     time.elementwise = micro_batches * (seconds + fsdp_copy_bytes(c, layout, precision) / rates.memory_bandwidth)
-    per_block, outside = ops_per_block(c)
-    recompute_ops = {"none": 0.0, "moe": 0.25, "full": 0.5}[mode] * per_block * L
-    dispatch = micro_batches * (per_block * L + outside + recompute_ops) * rates.op_overhead_s
+    issued, reads = host_seconds(c, layout, micro_batches, rates.op_overhead_s)
     device_type = (getattr(rates, "device", None) or default_accelerator().type).split(":")[0]
     if launches_overlap_compute(device_type):
-        dispatch = max(0.0, dispatch - (time.gemm + time.attention + time.elementwise))
-    time.overhead = dispatch
+        issued = max(0.0, issued - (time.gemm + time.attention + time.elementwise))
+        issued += reads * (SYNC_S + rates.op_overhead_s)
+    time.overhead = issued
     time.optimizer = optimizer_seconds(c, rates, layout, ns_dtype, ns_steps,
                                        getattr(rates, "optimizer_factor", 0.0) or 1.0)
     time.comm_by_dimension = {dim: 0.0 for dim in set(DIMENSION.values())}

@@ -60,7 +60,7 @@ class Traffic:
 
 def fsdp_traffic(config: ZayaConfig, layout: Layout, precision: str, micro_batches: int, traffic: Traffic) -> None:
     n, r = layout.shard_ranks, layout.dp_replicate
-    for unit in inventory(config).units:
+    for unit in inventory(config, layout.compiled).units:
         shard = unit.padded_shard_numel(n)
         param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else FP32
         gathers = 2 if unit.reshard_after_forward and n > 1 else 1
