@@ -5,7 +5,7 @@ next-token cross-entropy its own way (ours: the fused chunked LM-head loss; the 
 `cross_entropy` in fp32). Steps of the two sides alternate, so that drift in the machine's speed hits both
 alike, and the medians are compared. The process keeps freed memory (`zaya.device.tune_host_allocator`),
 which speeds up both sides alike. "ours, compiled" is the same model with every block `torch.compile`d
-(`train.compile = true`, bf16 only); its compilation time is reported, not counted. `--only SIDE` times
+(`train.compile = true`, one graph per block); its compilation time is reported, not counted. `--only SIDE` times
 one side alone, for comparisons between separate processes. Run:
 
     python benchmarks/train_step.py [--preset small] [--batch 8] [--seq 512] [--steps 6] [--warmup 2]
@@ -98,10 +98,10 @@ def main() -> None:
         autocast = name == "bf16"
         peak = measure_matmul_flops(torch.device("cpu"), torch.bfloat16 if autocast else torch.float32)
         sides = [Side("ours", zaya.build_model(config, seed=0).train(), ours_loss), Side("peer", peer, peer_loss)]
-        if not args.no_compile and autocast:  # torch.compile traces _grouped_mm for bf16 operands only
+        if not args.no_compile:
             compiled = zaya.build_model(config, seed=0).train()
             for block in compiled.blocks:
-                block.compile()
+                block.compile(fullgraph=True)
             sides.append(Side("ours, compiled", compiled, ours_loss))
         if args.only is not None:
             sides = [side for side in sides if side.name == args.only]

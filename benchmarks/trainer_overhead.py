@@ -37,7 +37,9 @@ from zaya.training import build_trainer
 warnings.filterwarnings("ignore")
 
 
-def make_dataset(root: Path) -> Path:
+def make_dataset(root: Path, vocab_size: int = 2048, **options) -> Path:
+    """Python sources of some standard-library packages, built into a dataset under `root` (`options`: more
+    `BuildOptions`)."""
     corpus = root / "corpus"
     corpus.mkdir()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -45,7 +47,8 @@ def make_dataset(root: Path) -> Path:
         for source in sorted((stdlib / package).glob("*.py")):
             (corpus / f"{package}_{source.stem}.txt").write_text(source.read_text(encoding="utf-8"))
     out = root / "data"
-    build_dataset(BuildOptions(inputs=(str(corpus),), out=out, vocab_size=2048, val_fraction=0.05))
+    build_dataset(BuildOptions(**{"inputs": (str(corpus),), "out": out, "vocab_size": vocab_size, "val_fraction": 0.05,
+                                  **options}))
     return out
 
 

@@ -28,7 +28,7 @@ class TrainSection:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     # torch.compile each block, one graph per block (fuses the elementwise work, launches fewer kernels; costs
     # a compilation at start, needs a C++ compiler on CPUs and Triton on GPUs); "auto": on accelerators, off
-    # on CPUs, where a compilation costs more than it saves in a run of a few hundred steps (docs/benchmarks.md)
+    # on CPUs, where the 8-12% a step it saves pays for its minute or so only after 100-500 steps (docs/speed.md)
     compile: bool | str = "auto"
     # TF32 tensor cores for the fp32 matmuls that remain (the routers, the fp32 LM head, any fp32 run); no
     # effect on CPUs
