@@ -32,7 +32,7 @@ class Case:
     @property
     def layout(self) -> Layout:
         return Layout(self.world, self.world, self.dp_replicate, self.world // self.dp_replicate // self.cp, self.cp,
-                      self.micro_batch_size, self.activation_checkpointing)
+                      self.micro_batch_size, self.activation_checkpointing, compiled=False)  # measured eagerly
 
     def measure_kwargs(self) -> dict:
         """The arguments of `measured_step` for this case."""
@@ -82,7 +82,8 @@ def predicted_step(case: Case, rank: int = 0, device: DeviceSpec | None = None, 
     model = run.model
     layout = case.layout
     # a rank's place in its FSDP group (dp_shard x cp, the innermost dimensions)
-    parameters, gradients, optimizer = state_bytes(inventory(model), layout.shard_ranks, rank % layout.shard_ranks)
+    parameters, gradients, optimizer = state_bytes(inventory(model, layout.compiled), layout.shard_ranks,
+                                                   rank % layout.shard_ranks)
     details = device_details(device, table.device, case.precision) if table is not None else CPU_DETAILS[
         case.precision]
     tokens = case.micro_batch_size * case.seq_len // case.cp
