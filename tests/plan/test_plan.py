@@ -133,7 +133,7 @@ def test_the_host_is_charged_for_the_kernels_it_issues_and_for_its_reads():
     config = get_preset("micro")
     ops = op_counts(config)
     assert ops.syncs_per_block == ops.syncs_outside == 0  # the model reads nothing back
-    assert 0 < ops.library_per_block < ops.per_block
+    assert 0 < ops.lib_calls_per_block < ops.per_block
     eager, reads = host_seconds(config, Layout(1, 1, 1, 1, 1, 2, "none", compiled=False), 2, 5e-6)
     compiled, compiled_reads = host_seconds(config, Layout(1, 1, 1, 1, 1, 2, "none", compiled=True), 2, 5e-6)
     assert reads == compiled_reads == HOST_READS_PER_STEP

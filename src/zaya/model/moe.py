@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import library as torch_ops
 from torch import nn
 
 from zaya.device import autocast_dtype, grouped_mm_pays_for_empty_groups, grouped_mm_row_multiple
@@ -210,7 +211,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torc
 
 
 if HAS_GROUPED_MM:
-    @torch.library.custom_op("zaya::grouped_mm", mutates_args=())
+    @torch_ops.custom_op("zaya::grouped_mm", mutates_args=())
     def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """`torch._grouped_mm(a, b, offs=offsets)`, opaque to the compiler."""
         return torch._grouped_mm(a, b, offs=offsets)

@@ -190,8 +190,8 @@ class OpCounts:
 
     per_block: float
     outside: float
-    library_per_block: float
-    library_outside: float
+    lib_calls_per_block: float
+    lib_calls_outside: float
     syncs_per_block: float
     syncs_outside: float
 
@@ -208,12 +208,12 @@ def _op_counts(key: str) -> OpCounts:
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.calls = self.library = self.syncs = 0
+            self.calls = self.lib_calls = self.syncs = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func._schema.name
             self.calls += 1
-            self.library += name.startswith(LIBRARY_OPS)
+            self.lib_calls += name.startswith(LIBRARY_OPS)
             self.syncs += name in SYNC_OPS
             return func(*args, **(kwargs or {}))
 
@@ -225,7 +225,7 @@ def _op_counts(key: str) -> OpCounts:
         ids = torch.randint(0, config.vocab_size, (1, 33), generator=torch.Generator().manual_seed(0))
         with Count() as count:
             model.loss(ids[:, :-1], ids[:, 1:]).backward()
-        counts.append((count.calls, count.library, count.syncs))
+        counts.append((count.calls, count.lib_calls, count.syncs))
     (one, lib_one, sync_one), (two, lib_two, sync_two) = counts
     return OpCounts(float(two - one), float(2 * one - two), float(lib_two - lib_one), float(2 * lib_one - lib_two),
                     float(sync_two - sync_one), float(2 * sync_one - sync_two))
@@ -245,7 +245,7 @@ def host_seconds(c: ZayaConfig, layout: Layout, micro_batches: int, op_overhead_
     recomputed = {"none": 0.0, "moe": 0.25, "full": 0.5}[layout.activation_checkpointing] * L
     if layout.compiled:
         # a library call and about one fused kernel between each two; each block a forward and a backward graph
-        per_block = 2 * ops.library_per_block + 1
+        per_block = 2 * ops.lib_calls_per_block + 1
         issued = micro_batches * (per_block * (L + recomputed) + ops.outside) * op_overhead_s
         issued += micro_batches * 2 * L * GRAPH_CALL_S
     else:
