@@ -1,11 +1,10 @@
 """Counting the ops that make the host wait for the device, on the CPU: a dispatch mode records every op whose
-output size or value must be read back (`.item()`, `bool(t)`, `nonzero`, `bincount`, ...)."""
+output size or value must be read back (`.item()`, `bool(t)`, `nonzero`, `bincount`, ...), by the rule the
+planner counts them with (`zaya.plan.timing.reads_device`)."""
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# ops whose output size or value the host must read from the device
-ALWAYS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", "aten::unique", "aten::_unique2",
-          "aten::unique_dim", "aten::unique_consecutive", "aten::masked_select"}
+from zaya.plan.timing import reads_device
 
 
 class HostSyncs(TorchDispatchMode):
@@ -19,11 +18,6 @@ class HostSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = func._schema.name
-        # repeat_interleave with tensor repeats (its .Tensor form, which the others call) sizes its output from
-        # their sum, unless output_size is given
-        unsized = func._overloadname == "Tensor" and name == "aten::repeat_interleave" and (
-            kwargs.get("output_size") is None)
-        if (name in ALWAYS or unsized) and not (args and self.on_host(args[0])):
-            self.ops.append(name)
+        if reads_device(func, kwargs) and not (args and self.on_host(args[0])):
+            self.ops.append(func._schema.name)
         return func(*args, **kwargs)

@@ -135,11 +135,12 @@ class DeviceTimer:
     as it is queued, by the host clock."""
 
     def __init__(self, device: torch.device):
-        self._events = None
+        self._events, self._seconds = None, None
         if device.type == "cuda":
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
-        self._started, self._seconds = time.perf_counter(), None
+        else:
+            self._started = time.perf_counter()
 
     def stop(self) -> DeviceTimer:
         if self._events is not None:

@@ -57,6 +57,17 @@ SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::binco
 LIBRARY_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::convolution",
                "aten::_scaled_dot_product", "aten::sort", "aten::scatter", "aten::index_put", "aten::index_copy",
                "aten::gather", "aten::embedding", "aten::cumsum")
+
+
+def reads_device(func, kwargs: dict) -> bool:
+    """Whether the ATen op `func` (as a dispatch mode sees it, with its `kwargs`) makes the host read the device:
+    one of `SYNC_OPS`, or `repeat_interleave` with tensor repeats (the `.Tensor` form, which the others call)
+    and no `output_size`, which sizes its output from their sum."""
+    name = func._schema.name
+    return name in SYNC_OPS or (name == "aten::repeat_interleave" and func._overloadname == "Tensor"
+                                and kwargs.get("output_size") is None)
+
+
 SYNC_S = 20e-6  # one read's round trip from an accelerator (an assumption: 10-30 us on PCIe hosts)
 GRAPH_CALL_S = 30e-6  # one call of a compiled graph: its guards and wrapper on the host (an assumption)
 
@@ -214,7 +225,7 @@ def _op_counts(key: str) -> OpCounts:
             name = func._schema.name
             self.calls += 1
             self.lib_calls += name.startswith(LIBRARY_OPS)
-            self.syncs += name in SYNC_OPS
+            self.syncs += reads_device(func, kwargs or {})
             return func(*args, **(kwargs or {}))
 
     counts = []
