@@ -51,3 +51,24 @@ def test_every_block_is_one_graph_and_the_blocks_share_two():
     assert counters["stats"]["unique_graphs"] == 2
     assert not counters["graph_break"]
 
+
+
+def test_the_whole_loss_is_one_graph_at_any_depth():
+    """`torch.compile(model.loss, fullgraph=True)`: in fp32 forward and backward equal eager to 1e-5; the loop over
+    the blocks unrolls into the one frame, so a deeper model is no more frames (bf16 autocast, traced only)."""
+    config = zaya.get_preset("micro", num_hidden_layers=4)
+    eager = zaya.build_model(config, seed=3).train()
+    compiled = zaya.build_model(config, seed=3).train()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled.loss = torch.compile(compiled.loss, fullgraph=True, backend="aot_eager")
+    _assert_same_training(eager, compiled, _batches(config, 2), False, 1e-5)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    deep = zaya.build_model(zaya.get_preset("micro", num_hidden_layers=12), seed=3).train()
+    torch._dynamo.reset()
+    counters.clear()
+    loss = torch.compile(deep.loss, fullgraph=True, backend="eager")
+    batch = _batches(deep.config, 1)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(loss(batch[:, :-1], batch[:, 1:]), deep.loss(batch[:, :-1], batch[:, 1:]))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
