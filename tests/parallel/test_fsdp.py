@@ -1,5 +1,6 @@
-"""`parallelize`: FSDP2's traffic as counted against its theoretical volume, the units' precisions, and
-activation checkpointing that changes no number (router statistics included)."""
+"""`parallelize`: FSDP2's traffic as counted against its theoretical volume, the units' precisions, the ZeRO-2
+mode's one gathering and one reduction per step, and activation checkpointing that changes no number (router
+statistics included)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import zaya
 from ranks import run_distributed
 from zaya.model.transformer import RouterStats
 from zaya.parallel.config import ParallelConfig, ParallelizeConfig
-from zaya.parallel.fsdp import fsdp_volume, parallelize
+from zaya.parallel.fsdp import accumulate, fsdp_volume, parallelize, release
 from zaya.parallel.launch import Launch
 from zaya.parallel.mesh import init_parallel
 
 
-def _run_config(precision: str = "fp32", checkpointing: str = "none") -> ParallelizeConfig:
-    return ParallelizeConfig(activation_checkpointing=checkpointing, bf16=precision == "bf16")
+def _run_config(precision: str = "fp32", checkpointing: str = "none", sharding: str = "full") -> ParallelizeConfig:
+    return ParallelizeConfig(activation_checkpointing=checkpointing, bf16=precision == "bf16", sharding=sharding)
 
 
 def _model(**overrides):
@@ -59,6 +60,53 @@ def test_fsdp_traffic_matches_its_theoretical_volume(world, replicas, precision)
         low = "torch.bfloat16" if precision == "bf16" else "torch.float32"
         # the router keeps fp32 parameters under bf16 mixed precision, the rest of a block does not
         assert result["dtypes"] == {"router": "torch.float32", "attention": low}
+
+
+def _accumulation_worker(rank: int, world: int) -> dict:
+    """Two steps of 8 sequences per rank (a plain SGD update between them, an evaluation's forward after it)
+    in each mode and number of micro-batches: the bytes FSDP sent in each step, the losses, the gradients."""
+    context = init_parallel(ParallelConfig(), torch.device("cpu"), Launch.from_env(os.environ))
+    batches = [torch.randint(0, 512, (8, 17), generator=torch.Generator().manual_seed(10 * step + rank))
+               for step in range(2)]
+    results = {}
+    for sharding, micro_batches in (("full", 4), ("zero2", 1), ("zero2", 2), ("zero2", 4)):
+        model = parallelize(_model(), context.fsdp_mesh, _run_config(sharding=sharding), context.counter)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        sent, losses = [], []
+        for batch in batches:
+            context.counter.take()
+            total = 0.0
+            for index, micro in enumerate(batch.chunk(micro_batches)):
+                accumulate(model, sharding, last=index == micro_batches - 1)
+                loss = model.loss(micro[:, :-1], micro[:, 1:])
+                (loss * micro.shape[0] / batch.shape[0]).backward()
+                total += loss.item() * micro.shape[0] / batch.shape[0]
+            sent.append(sum(v for k, v in context.counter.take().items() if k.startswith("fsdp_")))
+            losses.append(total)
+            grads = [p.grad.full_tensor() for p in model.parameters()]
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():  # the new weights gathered and kept, then freed: the next step gathers again
+                model.loss(batch[:2, :-1], batch[:2, 1:])
+            release(model, sharding)
+        theory = fsdp_volume(_model(), world, 1, "fp32", micro_batches, sharding=sharding)
+        results[sharding, micro_batches] = {"sent": sent, "theory": theory, "losses": losses, "grads": grads}
+    return results
+
+
+@pytest.mark.slow
+def test_zero2_gathers_and_reduces_once_per_step_and_trains_as_full_sharding():
+    for result in run_distributed(_accumulation_worker, 2, timeout=240):
+        full = result["full", 4]
+        for micro_batches in (1, 2, 4):
+            zero2 = result["zero2", micro_batches]
+            for sent in zero2["sent"]:  # the same bytes whatever the micro-batches, as the theory has them
+                assert 1.0 <= sent / zero2["theory"] <= 1.1, (micro_batches, sent, zero2["theory"])
+                assert sent == pytest.approx(result["zero2", 1]["sent"][0], rel=0.01)
+            assert zero2["losses"] == pytest.approx(full["losses"], rel=1e-5)
+            for a, b in zip(zero2["grads"], full["grads"], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert full["sent"][0] > 3 * result["zero2", 4]["sent"][0]  # full sharding gathers per micro-batch
 
 
 @pytest.fixture

@@ -143,3 +143,35 @@ def test_the_host_is_charged_for_the_kernels_it_issues_and_for_its_reads():
                              "data.ramp_start=0"]).resolve(1, "bf16")
     time = plan_run(run, get_device("h200")).first.time
     assert time.overhead == pytest.approx(HOST_READS_PER_STEP * (SYNC_S + 5e-6))
+
+
+def test_zero2_sends_the_same_bytes_for_any_micro_batches_and_keeps_whole_gradients():
+    from zaya.plan.inventory import inventory
+    from zaya.plan.memory import memory_per_gpu
+    from zaya.plan.traffic import step_traffic
+
+    config = load_config(BASE).resolve(1024).model
+    full, zero2 = (Layout(1024, 8, 128, 8, 1, 1, "none", sharding=mode) for mode in ("full", "zero2"))
+    fsdp = {(layout.sharding, m): sum(v for k, v in step_traffic(config, layout, 4096, "bf16", m).by_kind.items()
+                                      if k.startswith("fsdp_")) for layout in (full, zero2) for m in (1, 4)}
+    assert fsdp["zero2", 4] == fsdp["zero2", 1] < fsdp["full", 1]  # no second gathering in backward either
+    assert fsdp["full", 4] == pytest.approx(4 * fsdp["full", 1])
+    buffers = {(layout.sharding, m): memory_per_gpu(config, layout, 4096, "bf16", micro_batches=m).communication_buffers
+               for layout in (full, zero2) for m in (1, 4)}
+    assert buffers["full", 4] == buffers["full", 1] < buffers["zero2", 1]  # every block gathered at once
+    assert buffers["zero2", 4] - buffers["zero2", 1] == 4 * inventory(config).numel  # whole fp32 gradients
+
+
+def test_the_search_weighs_both_sharding_modes_and_prints_the_settings_of_the_fastest(capsys):
+    assert main(["plan", str(BASE), "--gpus", "64", "--device", "h100", "--search", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    fastest = out.split("the fastest, applied: ")[1].splitlines()[0]
+    assert fastest.startswith(f"zaya train {BASE} --set ")
+    sets = fastest.removeprefix(f"zaya train {BASE} ").split()
+    overrides = [value for flag, value in zip(sets[::2], sets[1::2], strict=True) if flag == "--set"]
+    assert {o.split("=")[0] for o in overrides} >= {"parallel.sharding", "parallel.dp_replicate", "parallel.dp_shard"}
+    run = load_config(BASE, overrides).resolve(64)  # the line applies: planned as it is, it is the fastest
+    planned = plan_run(run, get_device("h100"))
+    listed = out.split("layouts fit; the fastest:\n")[1].splitlines()[0]
+    assert f"{planned.tokens_per_s_per_gpu:,.0f} tok/s/GPU" in listed
+    assert {layout.sharding for layout in layouts(run, 8)} == {"full", "zero2"}

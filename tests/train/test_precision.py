@@ -27,7 +27,7 @@ def test_auto_trains_in_the_measured_precision_and_records_it(dataset, tmp_path,
     assert trainer.config.optim.ns_dtype == ("bfloat16" if fast else "float32")
     assert json.loads((run / "run_config.json").read_text())["train"]["precision"] == measured
     assert ckpt.read_json(ckpt.resolve_checkpoint(run) / ckpt.INFO_FILE)["precision"] == measured
-    assert f"cpu (cpu), {measured};" in (run / "train.log").read_text()
+    assert f"cpu (cpu), {measured}, full sharding;" in (run / "train.log").read_text()
 
 
 def test_a_resumed_run_keeps_its_precision_when_the_measurement_differs(dataset, tmp_path):

@@ -16,6 +16,10 @@ MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
 BACKENDS = ("auto", "nccl", "gloo")
 CP_KERNELS = ("allgather", "ring")
 CP_SHARDINGS = ("headtail", "contiguous")
+# "full": parameters gathered for every micro-batch's forward and again for its backward, gradients reduced
+# after each; "zero2": gathered once per step and kept to its end, gradients accumulated whole and reduced
+# once (`zaya.parallel.fsdp`)
+SHARDINGS = ("full", "zero2")
 
 
 @dataclass
@@ -25,6 +29,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP replicas, each a full copy of the sharded state (usually one per node)
     dp_shard: int = -1  # -1: every rank the other dimensions leave
     cp: int = 1  # context-parallel ranks that split each sequence
+    sharding: str = "full"  # "zero2": parameters gathered and gradients reduced once per step, not per micro-batch
     cp_kernel: str = "allgather"  # "ring" passes key/value blocks rank to rank, overlapped with compute
     cp_sharding: str = "headtail"  # "contiguous": chunk r on rank r (for debugging; unbalanced work)
     backend: str = "auto"  # "auto": nccl on GPUs (CUDA and ROCm), gloo on the CPU
@@ -39,7 +44,7 @@ class ParallelConfig:
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise ZayaError(f"{source}: key 'parallel.dp_shard' must be at least 1, or -1 for every rank the "
                             f"other dimensions leave, got {self.dp_shard}")
-        for key, allowed in (("cp_kernel", CP_KERNELS), ("cp_sharding", CP_SHARDINGS)):
+        for key, allowed in (("cp_kernel", CP_KERNELS), ("cp_sharding", CP_SHARDINGS), ("sharding", SHARDINGS)):
             if getattr(self, key) not in allowed:
                 raise ZayaError(f"{source}: key 'parallel.{key}' must be one of {', '.join(allowed)}, "
                                 f"got {getattr(self, key)!r}")
@@ -83,8 +88,10 @@ def sequence_split_problem(length: int, ranks: int, sharding: str, min_chunk: in
 @dataclass(frozen=True)
 class ParallelizeConfig:
     """What `zaya.parallel.fsdp.parallelize` applies to a model besides the mesh: activation checkpointing,
-    compilation, and bf16 mixed precision (parameters gathered in bf16, gradients reduced in fp32)."""
+    compilation, bf16 mixed precision (parameters gathered in bf16, gradients reduced in fp32) and the sharding
+    mode."""
 
     activation_checkpointing: str = "none"  # one of ACTIVATION_CHECKPOINTING
     compile: bool = False
     bf16: bool = False
+    sharding: str = "full"  # one of SHARDINGS

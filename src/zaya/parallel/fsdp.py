@@ -22,6 +22,14 @@ compiled block would break its graph. There the router is no unit of its own: th
 in fp32, and autocast casts its matrices to bf16 where they are used, as in one process (on one rank nothing
 is gathered; across ranks a block's gather moves twice the bytes of a bf16 one).
 
+Sharding modes (`parallel.sharding`). "full" (ZeRO-3): every micro-batch gathers each block for its forward and
+again for its backward, and reduce-scatters its gradients (with HSDP, all-reduces them over the replicas).
+"zero2": a step gathers each unit once, in its first micro-batch's forward, and keeps it to the end of the
+step; gradients accumulate unsharded (in fp32, FSDP2's accumulator for a lower parameter dtype) and are
+reduced once, in the last micro-batch's backward (`accumulate`). The bytes sent per step no longer grow with
+the micro-batches; the memory for whole parameters and, with more than one micro-batch, whole fp32
+gradients does. Both keep the same fp32 shards, optimizer state and checkpoints.
+
 Placement: every parameter is split along its first dimension (`torch.chunk`'s rows), except a stack of
 experts [E, m, n] whose E does not divide evenly over the ranks while its rows m do: it is split along m, so
 that memory stays balanced (E = 16 on 32 ranks would leave half of them empty), and Muon then gives each of
@@ -38,14 +46,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
 from zaya.errors import ZayaError
 from zaya.model.transformer import Zaya
 from zaya.parallel.comm import CommCounter, count_fsdp
-from zaya.parallel.config import ACTIVATION_CHECKPOINTING, ParallelizeConfig
+from zaya.parallel.config import ACTIVATION_CHECKPOINTING, SHARDINGS, ParallelizeConfig
 
 
 def shard_dim(shape: tuple[int, ...], ranks: int) -> int:
@@ -94,6 +102,8 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
     if config.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ZayaError(f"activation checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got "
                         f"{config.activation_checkpointing!r}")
+    if config.sharding not in SHARDINGS:
+        raise ZayaError(f"sharding must be one of {', '.join(SHARDINGS)}, got {config.sharding!r}")
     for block in model.blocks:
         if config.activation_checkpointing == "full":
             recompute_in_backward(block)
@@ -117,13 +127,45 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
                                       cast_forward_inputs=False)
         # on one rank a shard is the whole tensor: freeing the gathered copy after forward saves nothing and
         # costs a second gathering copy in backward
-        reshard = unit.reshard_after_forward and ranks > 1
+        reshard = gathers_per_micro_batch(unit, config.sharding, ranks) == 2
         fully_shard(unit.module, mesh=dp_mesh, reshard_after_forward=reshard, shard_placement_fn=placement,
                     mp_policy=policy)
         if counter is not None:
             count_fsdp(unit.module, counter, replicas)
     register_fsdp_forward_method(model, "loss")
     return model
+
+
+def gathers_per_micro_batch(unit: Unit, sharding: str, ranks: int) -> int:
+    """All-gathers of `unit` in a micro-batch that gathers it: 2 where it is freed after forward (a block under
+    full sharding on more than one rank), else 1."""
+    return 2 if unit.reshard_after_forward and sharding == "full" and ranks > 1 else 1
+
+
+def collectives_per_step(sharding: str, micro_batches: int) -> int:
+    """How many of its micro-batches gather each unit and reduce its gradients: every one under full
+    sharding, one under ZeRO-2."""
+    return micro_batches if sharding == "full" else 1
+
+
+def accumulate(model: nn.Module, sharding: str, last: bool) -> None:
+    """Before each micro-batch of a step: under ZeRO-2 only the `last` reduces the gradients and frees the
+    gathered parameters (FSDP2's `set_requires_gradient_sync`, `set_reshard_after_backward`; with HSDP the
+    replicas' all-reduce goes with the reduction); the others keep both. Nothing under full sharding."""
+    if sharding != "zero2":
+        return
+    model.set_requires_gradient_sync(last, recurse=True)
+    model.set_reshard_after_backward(last, recurse=True)
+
+
+def release(model: nn.Module, sharding: str) -> None:
+    """After a forward without backward (an evaluation) under ZeRO-2: free the parameters it gathered, which
+    would otherwise stay gathered, and stale once a checkpoint is loaded into the shards."""
+    if sharding != "zero2":
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def recompute_in_backward(module: nn.Module) -> None:
@@ -147,18 +189,18 @@ def is_recomputed(module: nn.Module) -> bool:
 
 
 def fsdp_volume(model: Zaya, shard_ranks: int, replicas: int, precision: str, micro_batches: int = 1,
-                compiled: bool = False) -> float:
+                compiled: bool = False, sharding: str = "full") -> float:
     """FSDP2's theoretical bytes sent per rank in one optimizer step of `micro_batches` micro-batches, by the
-    formulas of `zaya.parallel.comm` and without the padding of uneven shards: per unit and micro-batch one
-    all-gather of its parameters in forward, one more in backward if it reshards after forward, one
-    reduce-scatter of its gradients (fp32), and with HSDP one all-reduce of the reduced shards."""
+    formulas of `zaya.parallel.comm` and without the padding of uneven shards: per unit and micro-batch that
+    gathers it (`collectives_per_step`) one all-gather of its parameters in forward, one more in backward if
+    it is freed after forward, one reduce-scatter of its gradients (fp32), and with HSDP one all-reduce of the
+    reduced shards."""
     n, r = shard_ranks, replicas
     total = 0.0
     for unit, params in unit_parameters(model, compiled):
         numel = sum(p.numel() for p in params)
         param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else 4
-        gathers = 2 if unit.reshard_after_forward else 1
-        total += gathers * numel * param_bytes * (n - 1) / n
+        total += gathers_per_micro_batch(unit, sharding, n) * numel * param_bytes * (n - 1) / n
         total += numel * 4 * (n - 1) / n
         total += 2 * (numel / n) * 4 * (r - 1) / r
-    return total * micro_batches
+    return total * collectives_per_step(sharding, micro_batches)

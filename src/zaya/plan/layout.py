@@ -21,6 +21,7 @@ class Layout:
     micro_batch_size: int
     activation_checkpointing: str
     compiled: bool = True  # blocks compiled (`train.compile`, on for accelerators): FSDP2's units differ
+    sharding: str = "full"  # `parallel.sharding`: "zero2" gathers and reduces once per step
 
     @property
     def shard_ranks(self) -> int:
@@ -47,8 +48,15 @@ class Layout:
 
     def describe(self) -> str:
         return (f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} on {self.gpus} GPU(s) "
-                f"({self.gpus_per_node} per node), micro-batch {self.micro_batch_size}, activation "
-                f"checkpointing {self.activation_checkpointing}")
+                f"({self.gpus_per_node} per node), {self.sharding} sharding, micro-batch {self.micro_batch_size}, "
+                f"activation checkpointing {self.activation_checkpointing}")
+
+    def settings(self) -> list[str]:
+        """The `--set` overrides that give a run this layout (with `train.compile` as it is)."""
+        return [f"parallel.dp_replicate={self.dp_replicate}", f"parallel.dp_shard={self.dp_shard}",
+                f"parallel.cp={self.cp}", f"parallel.sharding={self.sharding}",
+                f"train.micro_batch_size={self.micro_batch_size}",
+                f"train.activation_checkpointing={self.activation_checkpointing}"]
 
 
 def check_batch(global_batch: int, layout: Layout, what: str, source: str) -> None:

@@ -30,9 +30,10 @@ activations then live during its backward (the `transient` component).
 
 Transients (the largest wins, the others are freed first): one chunk of the fused LM-head loss (logits,
 log-probabilities and their gradient, `zaya.model.loss`), or one recomputed block. Communication buffers:
-FSDP2's unsharded parameters, which the root keeps from forward to backward (on one rank every unit does:
-`zaya.parallel.fsdp`), two blocks' worth in flight otherwise (the current and the prefetched one), and two
-blocks' unsharded gradients before their reduce-scatter. The optimizer's Newton-Schulz workspace (the
+FSDP2's unsharded parameters, which the root keeps from forward to backward (on one rank every unit does,
+and under ZeRO-2 on any number: `zaya.parallel.fsdp`), two blocks' worth in flight otherwise (the current and
+the prefetched one), and two blocks' unsharded gradients before their reduce-scatter; under ZeRO-2 with more
+than one micro-batch, every gradient whole in fp32. The optimizer's Newton-Schulz workspace (the
 matrices this rank owns, whole, `zaya.optim.distributed`) is needed after backward, once activations are gone.
 
     total = parameters + gradients + optimizer state + max(activations + transient + buffers, workspace)
@@ -191,17 +192,23 @@ def _unit_bytes(unit, precision: str) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def buffer_bytes(inv: Inventory, shard_ranks: int, precision: str) -> int:
-    """FSDP2's unsharded parameters and gradients in flight (see the module docstring)."""
+def buffer_bytes(inv: Inventory, shard_ranks: int, precision: str, sharding: str = "full",
+                 micro_batches: int = 1) -> int:
+    """FSDP2's unsharded parameters and gradients in flight (see the module docstring). Under ZeRO-2 every unit
+    stays gathered for the whole step, and with more than one micro-batch every gradient is kept whole in fp32
+    until the last one reduces it."""
     blocks = [u for u in inv.units if u.block]
-    # a block and its router unit are gathered together
+    # a block and its router unit are gathered together (compiled blocks have no router unit: pairs of blocks
+    # then, which only overstates the two in flight)
     per_block = [_unit_bytes(blocks[i], precision) + _unit_bytes(blocks[i + 1], precision)
                  for i in range(0, len(blocks) - 1, 2)] or [0]
     grads = [sum(u.numel for u in blocks[i:i + 2]) * (FP32 + (2 if precision == "bf16" else FP32))
              for i in range(0, len(blocks) - 1, 2)] or [0]
     root = sum(_unit_bytes(u, precision) for u in inv.units if not u.block)
-    gathered = sum(per_block) if shard_ranks == 1 else 2 * max(per_block)
-    return root + gathered + 2 * max(grads)
+    whole = shard_ranks == 1 or sharding == "zero2"
+    gathered = sum(per_block) if whole else 2 * max(per_block)
+    accumulated = inv.numel * FP32 if sharding == "zero2" and micro_batches > 1 else 0
+    return root + gathered + accumulated + 2 * max(grads)
 
 
 @functools.lru_cache(maxsize=256)
@@ -217,9 +224,9 @@ def workspace_bytes(inv: Inventory, shard_ranks: int, ns_bytes: int) -> int:
 
 
 def memory_per_gpu(config: ZayaConfig, layout: Layout, seq_len: int, precision: str, ns_dtype: str = "bfloat16",
-                   details: DeviceDetails = GPU_DETAILS, mode: str | None = None) -> Memory:
-    """The `Memory` of rank 0 (the largest shard) of a run of `layout` on sequences of `seq_len` tokens;
-    `mode` overrides the layout's activation checkpointing."""
+                   details: DeviceDetails = GPU_DETAILS, mode: str | None = None, micro_batches: int = 1) -> Memory:
+    """The `Memory` of rank 0 (the largest shard) of a run of `layout` on sequences of `seq_len` tokens and
+    `micro_batches` micro-batches a step; `mode` overrides the layout's activation checkpointing."""
     inv = inventory(config, layout.compiled)
     params, grads, optimizer = state_bytes(inv, layout.shard_ranks)
     tokens = layout.micro_batch_size * seq_len // layout.cp
@@ -229,5 +236,6 @@ def memory_per_gpu(config: ZayaConfig, layout: Layout, seq_len: int, precision: 
     ns_bytes = 2 if ns_dtype in ("bfloat16", "bf16") else FP32
     return Memory(parameters=params, gradients=grads, optimizer_state=optimizer, master_weights=0,
                   activations=saved, transient=transient,
-                  communication_buffers=buffer_bytes(inv, layout.shard_ranks, precision),
+                  communication_buffers=buffer_bytes(inv, layout.shard_ranks, precision, layout.sharding,
+                                                     micro_batches),
                   optimizer_workspace=workspace_bytes(inv, layout.shard_ranks, ns_bytes))

@@ -138,7 +138,7 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
                                     "hours": smallest.hours}
         if search:
             data["search"] = [{"layout": c.layout.__dict__, "hours": c.hours if not c.reason else None,
-                               "reason": c.reason} for c in ranked]
+                               "reason": c.reason, "settings": c.layout.settings()} for c in ranked]
         click.echo(json.dumps(data, indent=2))
         return
     click.echo(format_plan(result))
@@ -155,6 +155,9 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
             first = candidate.plan.first
             click.echo(f"  {describe(candidate)}  {candidate.plan.tokens_per_s_per_gpu:>9,.0f} tok/s/GPU  "
                        f"MFU {candidate.plan.mfu:5.1%}  {first.memory.total / GB:6.1f} GB  {candidate.hours:10,.0f} h")
+        if fitting:
+            sets = " ".join(f"--set {setting}" for setting in fitting[0].layout.settings())
+            click.echo(f"the fastest, applied: zaya train {config_path} {sets}")
         reasons: dict[str, list] = {}
         for candidate in ranked:
             if candidate.reason:

@@ -164,7 +164,7 @@ def layout_of(run: ResolvedRun, gpus_per_node: int, phase: int) -> Layout:
     """The `Layout` the run's `[parallel]` gives phase `phase` on its GPUs."""
     mesh = run.mesh(phase)
     return Layout(run.world_size, gpus_per_node, mesh.dp_replicate, mesh.dp_shard, mesh.cp, run.train.micro_batch_size,
-                  run.train.activation_checkpointing, bool(run.train.compile))
+                  run.train.activation_checkpointing, bool(run.train.compile), run.parallel.sharding)
 
 
 def bandwidths_for(layout: Layout, device: DeviceSpec) -> dict[str, float]:
@@ -190,7 +190,8 @@ def plan_phase(run: ResolvedRun, layout: Layout, seq_len: int, device: DeviceSpe
     micro = min(layout.micro_batch_size, per_rank)
     layout = dataclasses.replace(layout, micro_batch_size=micro)
     micro_batches = math.ceil(per_rank / micro)
-    memory = memory_per_gpu(model, layout, seq_len, run.precision, optim.ns_dtype, details)
+    memory = memory_per_gpu(model, layout, seq_len, run.precision, optim.ns_dtype, details,
+                            micro_batches=micro_batches)
     tokens = micro * seq_len // layout.cp
     by_mode = {mode: activation_bytes(model, tokens, seq_len, layout.cp, run.precision, mode, details)[0]
                for mode in MODES}

@@ -1,5 +1,5 @@
-"""`zaya plan --search`: every layout of a GPU count (dp_replicate x dp_shard x cp, micro-batch, activation
-checkpointing), planned, the ones that fit ranked by the run's predicted hours, and each rejected one with
+"""`zaya plan --search`: every layout of a GPU count (dp_replicate x dp_shard x cp, sharding mode, micro-batch,
+activation checkpointing), planned, the ones that fit ranked by the run's predicted hours, and each rejected one with
 its reason; and the smallest GPU count on which the run fits at all.
 
 Context parallelism is searched for the phases that use `[parallel].cp`; a phase with a `cp` of its own keeps
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from zaya.config import RunConfig
 from zaya.errors import ZayaError
+from zaya.parallel.config import SHARDINGS
 from zaya.plan.devices import DeviceSpec
 from zaya.plan.layout import Layout
 from zaya.plan.memory import MODES
@@ -50,7 +51,9 @@ def layouts(run: ResolvedRun, gpus_per_node: int) -> list[Layout]:
             micro_batches = [m for m in _divisors(per_rank) if m <= MAX_MICRO_BATCH] if per_rank else [1]
             for micro in micro_batches:
                 for mode in MODES:
-                    result.append(Layout(gpus, gpus_per_node, replicate, shard, cp, micro, mode))
+                    for sharding in SHARDINGS:
+                        result.append(Layout(gpus, gpus_per_node, replicate, shard, cp, micro, mode,
+                                             bool(run.train.compile), sharding))
     return result
 
 
@@ -89,7 +92,7 @@ def leanest(run: ResolvedRun, gpus_per_node: int) -> Layout:
     sequence per micro-batch, the configured cp."""
     gpus, cp = run.world_size, run.parallel.cp
     cp = cp if gpus % cp == 0 else 1
-    return Layout(gpus, gpus_per_node, 1, gpus // cp, cp, 1, "full")
+    return Layout(gpus, gpus_per_node, 1, gpus // cp, cp, 1, "full", bool(run.train.compile))
 
 
 def smallest_fit(config: RunConfig, precision: str, device: DeviceSpec, gpus_per_node: int,
@@ -110,4 +113,5 @@ def smallest_fit(config: RunConfig, precision: str, device: DeviceSpec, gpus_per
 def describe(candidate: Candidate) -> str:
     layout = candidate.layout
     return (f"dp_replicate {layout.dp_replicate:>3} x dp_shard {layout.dp_shard:>4} x cp {layout.cp:>2}, "
-            f"micro-batch {layout.micro_batch_size:>2}, checkpointing {layout.activation_checkpointing:<4}")
+            f"{layout.sharding:<5} sharding, micro-batch {layout.micro_batch_size:>2}, checkpointing "
+            f"{layout.activation_checkpointing:<4}")

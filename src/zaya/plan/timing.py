@@ -19,7 +19,8 @@ min(peak x its GEMM efficiency, arithmetic intensity x memory bandwidth). Elemen
 the activations: each saved byte is written in forward and read in backward, and its gradient written and
 read once (4 passes); the loss adds ~16 bytes per logit (log-softmax, exp, the one-hot subtraction); AdamW
 moves 28 bytes per element (reads p, g, m, v; writes p, m, v), Muon's momentum and update 24, clipping 8;
-FSDP2's copies into and out of its collective buffers are counted per micro-batch (`fsdp_copy_bytes`).
+FSDP2's copies into and out of its collective buffers are counted per collective (`fsdp_copy_bytes`; under
+ZeRO-2 with the accumulation of whole fp32 gradients over the micro-batches).
 On a measured device (`zaya shapes`) both are scaled by the factors `zaya.plan.calibrate` measured by
 running the model. The operators are counted once by running a two-block and a one-block model of the same
 family through forward and backward (`op_counts`): all of them, the library calls among them (GEMMs,
@@ -29,8 +30,10 @@ compiled (`train.compile`), a block issues its library calls and about one fused
 each of its graphs costs one call. The trainer reads the device `HOST_READS_PER_STEP` times a step.
 
 Overlap, as the code does it: FSDP2 prefetches the next block's all-gather and reduce-scatters the previous
-block's gradients while a block computes, so FSDP and HSDP traffic is exposed only beyond the blocks'
-compute, plus one block's all-gather before the first block and one reduce-scatter after the last; the ring
+block's gradients while a block computes, so FSDP and HSDP traffic is exposed only beyond the compute of the
+micro-batches that carry it (all of them under full sharding; under ZeRO-2 the gathering comes with the
+first micro-batch and the reduction with the last: one micro-batch's worth), plus one block's all-gather
+before the first block and one reduce-scatter after the last; the ring
 kernel's KV transfers overlap the attention blocks, the all-gather kernel's do not; Muon's all-to-alls and
 the trainer's all-reduces are exposed. Bandwidth per mesh dimension: the scale-up links if every group of
 that dimension lies inside a node, the network (per GPU) otherwise.
@@ -45,6 +48,7 @@ from typing import Protocol
 
 from zaya.device import default_accelerator, launches_overlap_compute
 from zaya.model.config import ZayaConfig
+from zaya.parallel.fsdp import collectives_per_step, gathers_per_micro_batch
 from zaya.plan.layout import Layout
 from zaya.plan.memory import GPU_DETAILS, DeviceDetails, activation_bytes
 from zaya.plan.traffic import DIMENSION, Traffic
@@ -265,17 +269,22 @@ def host_seconds(c: ZayaConfig, layout: Layout, micro_batches: int, op_overhead_
     return issued, reads
 
 
-def fsdp_copy_bytes(c: ZayaConfig, layout: Layout, precision: str) -> float:
-    """Bytes FSDP2 copies per micro-batch, on one rank as on many: each all-gather copies the shards into its
+def fsdp_copy_bytes(c: ZayaConfig, layout: Layout, precision: str, micro_batches: int = 1) -> float:
+    """Bytes FSDP2 copies in one step, on one rank as on many: each all-gather copies the shards into its
     buffer and out into the unsharded parameters (read and write, twice), each reduce-scatter the unsharded
-    gradients into its fp32 buffer and its output into the sharded gradients (three read-write passes)."""
+    gradients into its fp32 buffer and its output into the sharded gradients (three read-write passes); under
+    ZeRO-2 each micro-batch after the first adds its gradients into the whole fp32 ones (reads both, writes
+    the sum)."""
     from zaya.plan.inventory import inventory
 
+    times = collectives_per_step(layout.sharding, micro_batches)
     total = 0.0
     for unit in inventory(c, layout.compiled).units:
         param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else 4
-        gathers = 2 if unit.reshard_after_forward and layout.shard_ranks > 1 else 1
-        total += gathers * 4 * unit.numel * param_bytes + 6 * unit.numel * 4
+        gathers = gathers_per_micro_batch(unit, layout.sharding, layout.shard_ranks)
+        total += times * (gathers * 4 * unit.numel * param_bytes + 6 * unit.numel * 4)
+        if times < micro_batches:
+            total += (micro_batches - times) * unit.numel * (param_bytes + 2 * 4)
     return total
 
 
@@ -333,7 +342,8 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     moved = ELEMENTWISE_PASSES * saved * recompute + LOSS_BYTES_PER_LOGIT * tokens * c.vocab_size
     # measured on the device: how much slower than the bytes say (`zaya.plan.calibrate`)
     seconds = moved / rates.memory_bandwidth * (getattr(rates, "elementwise_factor", 0.0) or 1.0)
-    time.elementwise = micro_batches * (seconds + fsdp_copy_bytes(c, layout, precision) / rates.memory_bandwidth)
+    time.elementwise = micro_batches * seconds + \
+        fsdp_copy_bytes(c, layout, precision, micro_batches) / rates.memory_bandwidth
     issued, reads = host_seconds(c, layout, micro_batches, rates.op_overhead_s)
     device_type = (getattr(rates, "device", None) or default_accelerator().type).split(":")[0]
     if launches_overlap_compute(device_type):
@@ -350,7 +360,8 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     fsdp = sum(v for k, v in seconds.items() if k.startswith("fsdp_"))
     block_compute = time.gemm + time.attention + time.elementwise
     edges = 2 * fsdp / max(1, 2 * L + 1)  # one block's gathering before the first, its reduction after the last
-    exposed = max(0.0, fsdp - block_compute) + edges if fsdp else 0.0
+    carrying = block_compute * collectives_per_step(layout.sharding, micro_batches) / micro_batches
+    exposed = max(0.0, fsdp - carrying) + edges if fsdp else 0.0
     cp = sum(v for k, v in seconds.items() if k.startswith("cp_"))
     exposed += cp if cp_kernel == "allgather" else max(0.0, cp - time.attention)
     exposed += sum(v for k, v in seconds.items() if k.startswith("muon_") or k == "trainer")

@@ -3,10 +3,10 @@ formulas `zaya.parallel.comm` counts real collectives with (bandwidth-optimal ri
 all-gather of a shard of S bytes over N ranks sends S (N - 1), a reduce-scatter of S bytes S (N - 1) / N, an
 all-reduce 2 S (N - 1) / N, an all-to-all the bytes addressed to others):
 
-- FSDP2 (`zaya.parallel.fsdp`), per micro-batch and unit: one all-gather of its padded shards in the compute
-  dtype in forward, another in backward if it reshards after forward (blocks do on more than one rank),
-  a reduce-scatter of its fp32 gradients, and with HSDP an all-reduce of the reduced fp32 shards over the
-  replicas;
+- FSDP2 (`zaya.parallel.fsdp`), per micro-batch (full sharding) or per step (ZeRO-2) and unit: one
+  all-gather of its padded shards in the compute dtype in forward, another in backward if it reshards after
+  forward (blocks do under full sharding on more than one rank), a reduce-scatter of its fp32 gradients, and
+  with HSDP an all-reduce of the reduced fp32 shards over the replicas;
 - distributed Muon (`zaya.optim.distributed`), per step: every matrix split over the FSDP ranks travels to its
   owner in fp32 (each rank sends its rows) and back in the Newton-Schulz dtype; stacks of experts split along
   the expert dimension need nothing;
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from zaya.model.config import ZayaConfig
 from zaya.parallel.context import SequenceLayout, _halo_plan
-from zaya.parallel.fsdp import shard_dim
+from zaya.parallel.fsdp import collectives_per_step, gathers_per_micro_batch, shard_dim
 from zaya.plan.inventory import inventory
 from zaya.plan.layout import Layout
 
@@ -60,13 +60,14 @@ class Traffic:
 
 def fsdp_traffic(config: ZayaConfig, layout: Layout, precision: str, micro_batches: int, traffic: Traffic) -> None:
     n, r = layout.shard_ranks, layout.dp_replicate
+    times = collectives_per_step(layout.sharding, micro_batches)
     for unit in inventory(config, layout.compiled).units:
         shard = unit.padded_shard_numel(n)
         param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else FP32
-        gathers = 2 if unit.reshard_after_forward and n > 1 else 1
-        traffic.add("fsdp_all_gather", micro_batches * gathers * shard * param_bytes * (n - 1))
-        traffic.add("fsdp_reduce_scatter", micro_batches * shard * n * FP32 * (n - 1) / n)
-        traffic.add("fsdp_all_reduce", micro_batches * 2 * shard * FP32 * (r - 1) / r)
+        gathers = gathers_per_micro_batch(unit, layout.sharding, n)
+        traffic.add("fsdp_all_gather", times * gathers * shard * param_bytes * (n - 1))
+        traffic.add("fsdp_reduce_scatter", times * shard * n * FP32 * (n - 1) / n)
+        traffic.add("fsdp_all_reduce", times * 2 * shard * FP32 * (r - 1) / r)
 
 
 def muon_traffic(config: ZayaConfig, layout: Layout, ns_dtype: str, traffic: Traffic) -> None:

@@ -96,4 +96,5 @@ class ResolvedRun:
     @property
     def parallelize(self) -> ParallelizeConfig:
         """What `zaya.parallel.fsdp.parallelize` applies to the model."""
-        return ParallelizeConfig(self.train.activation_checkpointing, self.train.compile, self.precision == "bf16")
+        return ParallelizeConfig(self.train.activation_checkpointing, self.train.compile, self.precision == "bf16",
+                                 self.parallel.sharding)

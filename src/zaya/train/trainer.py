@@ -55,7 +55,7 @@ from zaya.optim.hybrid import build_optimizer, describe_param_groups
 from zaya.optim.schedule import set_lr_multiplier
 from zaya.parallel.comm import all_reduce
 from zaya.parallel.dtensor import clip_grad_norm_
-from zaya.parallel.fsdp import parallelize
+from zaya.parallel.fsdp import accumulate, parallelize, release
 from zaya.parallel.mesh import ParallelContext, init_parallel
 from zaya.resilience.findings import Finding
 from zaya.resilience.incidents import IncidentLog
@@ -257,6 +257,7 @@ class Trainer:
         rows = batch.shape[0]
         for start in range(0, rows, train.micro_batch_size):
             micro = batch[start:start + train.micro_batch_size]
+            accumulate(self.model, self.config.parallelize.sharding, last=start + micro.shape[0] == rows)
             with self._autocast():
                 loss, grad_factor = self.curriculum.micro_loss(self.model, micro, routes)
                 if scale != 1.0:
@@ -342,6 +343,7 @@ class Trainer:
                     loss = self.curriculum.micro_loss(self.model, micro, None)[0].double()
                 total += loss * (micro.shape[0] / batch.shape[0])
             batches += 1
+        release(self.model, self.config.parallelize.sharding)
         self._all_reduce(total)
         total /= self.parallel.dp_size
         self.model.train()
@@ -426,8 +428,9 @@ class Trainer:
         if self.progress.step == 0:
             self.log("parameter groups:\n" + describe_param_groups(self.model, self.config.optim))
         peak, source = self._peak_flops
-        self.log(f"training on {self.device} ({vendor(self.device)}), {self.config.precision}; "
-                 f"{self.parallel.describe()}; peak {peak / 1e12:.2f} TFLOP/s per device ({source})")
+        self.log(f"training on {self.device} ({vendor(self.device)}), {self.config.precision}, "
+                 f"{self.config.parallelize.sharding} sharding; {self.parallel.describe()}; peak "
+                 f"{peak / 1e12:.2f} TFLOP/s per device ({source})")
         if self.setup.forecast is not None:
             self.log(self.setup.forecast.start(self.progress.phase))
 
