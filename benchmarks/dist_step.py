@@ -2,7 +2,8 @@
 theoretical volume, distributed Muon's extra traffic, and step time at 2 ranks against 1.
 
     python benchmarks/dist_step.py [--preset tiny] [--ranks 1 2 4] [--batch 4] [--seq 128] [--steps 4]
-                                   [--precision fp32] [--ns-dtype float32]
+                                   [--micro-batches 1] [--shardings full zero2] [--precision fp32]
+                                   [--ns-dtype float32]
 
 Each world size N runs in N fresh processes (one intra-op thread each, so that a rank has the same compute
 at every N), through the trainer's own pieces: `init_parallel`, `parallelize`, `build_optimizer`. The batch per
@@ -16,6 +17,8 @@ rank is fixed (weak scaling). Printed per N, and as ratios against the named ref
 - distributed Muon's bytes against that volume, and the step's total against FSDP alone (Moonlight reports
   1-1.25x of AdamW's data-parallel traffic for its distributed Muon);
 - seconds per step at N ranks against 1 rank;
+- each sharding mode (`parallel.sharding`) side by side: with --micro-batches above 1, full sharding gathers
+  and reduces in every micro-batch, ZeRO-2 once per step;
 - the owner plan's balance of Newton-Schulz FLOPs (busiest rank / mean) for the `small` and `zaya1-base`
   matrices on --plan-ranks ranks, computed from the shapes alone (meta device).
 
@@ -49,12 +52,13 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     from zaya.optim.hybrid import build_optimizer
     from zaya.parallel.config import ParallelConfig, ParallelizeConfig
     from zaya.parallel.dtensor import clip_grad_norm_, local, local_bytes
-    from zaya.parallel.fsdp import fsdp_volume, parallelize
+    from zaya.parallel.fsdp import accumulate, fsdp_volume, parallelize
     from zaya.parallel.launch import Launch
     from zaya.parallel.mesh import init_parallel
 
     context = init_parallel(ParallelConfig(), torch.device("cpu"), Launch.from_env(os.environ))
-    sharding = ParallelizeConfig(bf16=args.precision == "bf16")
+    mode = args.sharding
+    sharding = ParallelizeConfig(bf16=args.precision == "bf16", sharding=mode)
     model = parallelize(zaya.build_model(args.preset, seed=0), context.fsdp_mesh, sharding, context.counter)
     optimizer = build_optimizer(model, OptimConfig(ns_dtype=args.ns_dtype), comm=context.counter)
     vocab = model.config.vocab_size
@@ -64,9 +68,11 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=generator)
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            loss = model.loss(ids[:, :-1], ids[:, 1:])
-        loss.backward()
+        for index, micro in enumerate(ids.chunk(args.micro_batches)):
+            accumulate(model, mode, last=index == args.micro_batches - 1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                loss = model.loss(micro[:, :-1], micro[:, 1:])
+            (loss * micro.shape[0] / ids.shape[0]).backward()
         clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
         forward_backward = context.counter.take()
         optimizer.step()
@@ -81,7 +87,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         "params": local_bytes(params), "grads": local_bytes([p.grad for p in params if p.grad is not None]),
         "state": local_bytes(state), "replicated": local_bytes(replicated),
         "times": times, "sent": sent,
-        "theory": fsdp_volume(zaya.build_model(args.preset, seed=0), world, 1, args.precision),
+        "theory": fsdp_volume(zaya.build_model(args.preset, seed=0), world, 1, args.precision, args.micro_batches,
+                              sharding=mode),
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     import gc
@@ -120,13 +127,24 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches each rank's batch is cut into")
+    parser.add_argument("--shardings", nargs="+", default=["full"], choices=["full", "zero2"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--plan-ranks", type=int, nargs="+", default=[2, 3, 4, 8, 32, 64])
     args = parser.parse_args()
-    header(f"sharded training, preset {args.preset}, {args.batch} x {args.seq} tokens per rank, {args.precision}, "
-           f"Newton-Schulz in {args.ns_dtype}, gloo, {os.cpu_count()} cores")
+    if args.batch % args.micro_batches:
+        parser.error(f"--batch {args.batch} does not split into --micro-batches {args.micro_batches}")
+    header(f"sharded training, preset {args.preset}, {args.batch} x {args.seq} tokens per rank in "
+           f"{args.micro_batches} micro-batch(es), {args.precision}, Newton-Schulz in {args.ns_dtype}, gloo, "
+           f"{os.cpu_count()} cores")
     plan_balance(["small", "zaya1-base"], args.plan_ranks)
+    for mode in args.shardings:
+        print(f"-- {mode} sharding")
+        report(argparse.Namespace(**{**vars(args), "sharding": mode}))
+
+
+def report(args: argparse.Namespace) -> None:
     results = {world: run(world, args) for world in args.ranks}
     one = results.get(1)
     base = (one[0]["params"] + one[0]["grads"] + one[0]["state"] - one[0]["replicated"]) if one else None
