@@ -271,7 +271,7 @@ def muon_step(
             buffer = param_state["momentum_buffer"]
             layout = shard_layout(param)
             plan_layout = MatrixLayout(tuple(param.shape), layout.dim)
-            if not plan_layout.local_matrices:
+            if not plan_layout.local_matrices or layout.replicas > 1:  # to owners, over every replica
                 entry = SplitMatrices(index, param, param.grad, buffer, layout, group["momentum"], group["nesterov"],
                                       decay, rate, (settings, group["ns_backend"]))
                 sharded.append((index, plan_layout, layout, entry))

@@ -8,6 +8,7 @@ only reductions over whole tensors (a gradient norm, a matrix's orthogonalisatio
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -36,16 +37,31 @@ def local(tensor: Tensor) -> Tensor:
 class ShardLayout:
     """How a tensor is split: along `dim` over the `size` ranks of `group`, this rank being `index` in it.
     `dim` is None when every rank holds the whole tensor (a plain tensor, or a DTensor replicated or split
-    over a one-rank mesh dimension only)."""
+    over a one-rank mesh dimension only). Under HSDP the same shards repeat on `replicas` replicas, this rank
+    in replica `replica`; `slots` then lists the global ranks of the whole mesh, replica by replica and shard
+    by shard within each (slot r * size + index is replica r's shard index)."""
 
     dim: int | None
     size: int = 1
     index: int = 0
     group: object = None
+    replicas: int = 1
+    replica: int = 0
+    slots: tuple[int, ...] = ()
 
     @property
     def whole(self) -> bool:
         return self.dim is None
+
+    @property
+    def slot(self) -> int:
+        """This rank's place among the replicas' shards: replica x size + index."""
+        return self.replica * self.size + self.index
+
+    @property
+    def key(self) -> object:
+        """Tensors of one key are split alike over the same ranks (the optimizer steps them together)."""
+        return (self.group, self.slots) if self.replicas > 1 else self.group
 
     def bounds(self, length: int, index: int | None = None) -> tuple[int, int]:
         """The rows [start, stop) of a dimension of `length` that rank `index` (default: this one) holds."""
@@ -65,18 +81,47 @@ def shard_layout(tensor: Tensor) -> ShardLayout:
     if not is_dtensor(tensor):
         return ShardLayout(None)
     mesh = tensor.device_mesh
-    found = None
+    found, shard_dim, replicate_dim = ShardLayout(None), None, None
     for mesh_dim, placement in enumerate(tensor.placements):
         if isinstance(placement, Partial):
             raise ZayaError(f"a parameter of shape {list(tensor.shape)} holds partial sums ({placement}); "
                             "reduce it before the optimizer step")
-        if isinstance(placement, Shard) and mesh.size(mesh_dim) > 1:
-            if found is not None:
+        if mesh.size(mesh_dim) == 1:
+            continue
+        if isinstance(placement, Shard):
+            if shard_dim is not None:
                 raise ZayaError(f"a parameter of shape {list(tensor.shape)} is split over two mesh dimensions "
                                 f"({tensor.placements}); the optimizer takes one")
+            shard_dim = mesh_dim
             found = ShardLayout(placement.dim, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim),
                                 mesh.get_group(mesh_dim))
-    return found or ShardLayout(None)
+        elif replicate_dim is not None:
+            raise ZayaError(f"a parameter of shape {list(tensor.shape)} is replicated over two mesh dimensions "
+                            f"({tensor.placements}); the optimizer takes one")
+        else:
+            replicate_dim = mesh_dim
+    if replicate_dim is None:
+        return found
+    ranks = mesh.mesh.movedim(replicate_dim, 0)
+    if shard_dim is not None:
+        ranks = ranks.movedim(shard_dim if shard_dim > replicate_dim else shard_dim + 1, 1)
+    # every other mesh dimension has one rank: the ranks by (replica, shard)
+    slots = tuple(int(r) for r in ranks.reshape(mesh.size(replicate_dim), -1).flatten().tolist())
+    return dataclasses.replace(found, replicas=mesh.size(replicate_dim), replica=mesh.get_local_rank(replicate_dim),
+                               slots=slots)
+
+
+_GROUPS: dict[tuple[int, ...], object] = {}
+
+
+def slots_group(slots: tuple[int, ...]) -> object:
+    """A process group of the global ranks `slots` (the default group when they are all the ranks; made once
+    otherwise, by its members only)."""
+    if sorted(slots) == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    if slots not in _GROUPS:
+        _GROUPS[slots] = dist.new_group(sorted(slots), use_local_synchronization=True)
+    return _GROUPS[slots]
 
 
 def total_norm(

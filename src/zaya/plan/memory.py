@@ -212,11 +212,11 @@ def buffer_bytes(inv: Inventory, shard_ranks: int, precision: str, sharding: str
 
 
 @functools.lru_cache(maxsize=256)
-def workspace_bytes(inv: Inventory, shard_ranks: int, ns_bytes: int) -> int:
-    """Newton-Schulz workspace: this rank's share of the whole matrices it orthogonalises, each as fp32
-    update plus three iteration buffers."""
+def workspace_bytes(inv: Inventory, shard_ranks: int, ns_bytes: int, replicas: int = 1) -> int:
+    """Newton-Schulz workspace: this rank's share of the whole matrices it orthogonalises (owners are spread
+    over every replica's shards), each as fp32 update plus three iteration buffers."""
     muon = [p for p in inv.params if p.muon]
-    share = sum(p.numel for p in muon) / shard_ranks
+    share = sum(p.numel for p in muon) / (shard_ranks * replicas)
     return int(share * (FP32 + 3 * ns_bytes))
 
 
@@ -238,4 +238,4 @@ def memory_per_gpu(config: ZayaConfig, layout: Layout, seq_len: int, precision: 
                   activations=saved, transient=transient,
                   communication_buffers=buffer_bytes(inv, layout.shard_ranks, precision, layout.sharding,
                                                      micro_batches),
-                  optimizer_workspace=workspace_bytes(inv, layout.shard_ranks, ns_bytes))
+                  optimizer_workspace=workspace_bytes(inv, layout.shard_ranks, ns_bytes, layout.dp_replicate))

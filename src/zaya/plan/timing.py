@@ -290,12 +290,13 @@ def fsdp_copy_bytes(c: ZayaConfig, layout: Layout, precision: str, micro_batches
 
 def optimizer_seconds(c: ZayaConfig, rates: Rates, layout: Layout, ns_dtype: str, ns_steps: int,
                       factor: float = 1.0, gemms_only: bool = False) -> float:
-    """Muon's Newton-Schulz on the matrices this rank owns (1/N of the work, balanced), its momentum and
-    update, AdamW and clipping on this rank's shards, by the bytes they move x `factor` (measured on the
-    device, `zaya.plan.calibrate`). `gemms_only`: Newton-Schulz alone."""
+    """Muon's Newton-Schulz on the matrices this rank owns (1/N of the work over every replica's ranks,
+    balanced), its momentum and update, AdamW and clipping on this rank's shards, by the bytes they move x
+    `factor` (measured on the device, `zaya.plan.calibrate`). `gemms_only`: Newton-Schulz alone."""
     from zaya.plan.inventory import inventory
 
     n = layout.shard_ranks
+    owners = n * layout.dp_replicate
     dtype = "bf16" if ns_dtype in ("bfloat16", "bf16") else "fp32"
     seconds, muon_elements, adamw_elements = 0.0, 0, 0
     for param in inventory(c).params:
@@ -307,7 +308,7 @@ def optimizer_seconds(c: ZayaConfig, rates: Rates, layout: Layout, ns_dtype: str
             per_step = 2.0 * k * k * m / rates.gemm_rate("dense", k, k, m, 1, dtype) + \
                 2.0 * k ** 3 / rates.gemm_rate("dense", k, k, k, 1, dtype) + \
                 2.0 * k * k * m / rates.gemm_rate("dense", k, m, k, 1, dtype)
-            seconds += count * ns_steps * per_step / n
+            seconds += count * ns_steps * per_step / owners
             muon_elements += param.numel
         else:
             adamw_elements += param.numel

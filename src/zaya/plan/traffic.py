@@ -8,8 +8,8 @@ all-reduce 2 S (N - 1) / N, an all-to-all the bytes addressed to others):
   forward (blocks do under full sharding on more than one rank), a reduce-scatter of its fp32 gradients, and
   with HSDP an all-reduce of the reduced fp32 shards over the replicas;
 - distributed Muon (`zaya.optim.distributed`), per step: every matrix split over the FSDP ranks travels to its
-  owner in fp32 (each rank sends its rows) and back in the Newton-Schulz dtype; stacks of experts split along
-  the expert dimension need nothing;
+  owner in fp32 (each rank of the owner's replica sends its rows) and back in the Newton-Schulz dtype to every
+  replica; stacks of experts split along the expert dimension travel only back, to the other replicas;
 - context parallelism (`zaya.parallel.context`, `cp_attention`), per micro-batch and layer: the halo (the
   last P packed vectors and one value-shift vector of each segment whose successor lives elsewhere, forward
   and backward) and the keys and values: (cp - 1) shards in forward, again in backward, and (cp - 1) shards
@@ -33,7 +33,7 @@ from zaya.plan.layout import Layout
 FP32 = 4
 # which mesh dimension each counted kind of traffic runs over
 DIMENSION = {"fsdp_all_gather": "dp_shard_cp", "fsdp_reduce_scatter": "dp_shard_cp",
-             "fsdp_all_reduce": "dp_replicate", "muon_gather": "dp_shard_cp", "muon_scatter": "dp_shard_cp",
+             "fsdp_all_reduce": "dp_replicate", "muon_gather": "world", "muon_scatter": "world",
              "cp_kv": "cp", "cp_dkv": "cp", "cp_halo": "cp", "trainer": "world"}
 
 
@@ -71,13 +71,13 @@ def fsdp_traffic(config: ZayaConfig, layout: Layout, precision: str, micro_batch
 
 
 def muon_traffic(config: ZayaConfig, layout: Layout, ns_dtype: str, traffic: Traffic) -> None:
-    n = layout.shard_ranks
-    if n == 1:
+    n, r = layout.shard_ranks, layout.dp_replicate
+    if n * r == 1:
         return
     ns_bytes = 2 if ns_dtype in ("bfloat16", "bf16") else FP32
-    gathered = _muon_bytes(inventory(config), n)
-    traffic.add("muon_gather", gathered * FP32 / n)
-    traffic.add("muon_scatter", gathered * ns_bytes / n)
+    gathered, returned = _muon_bytes(inventory(config), n, r)
+    traffic.add("muon_gather", gathered * FP32 / (n * r))
+    traffic.add("muon_scatter", returned * ns_bytes / (n * r))
 
 
 def cp_traffic(config: ZayaConfig, layout: Layout, seq_len: int, kernel: str, sharding: str, micro_batches: int,
@@ -118,13 +118,21 @@ def trainer_traffic(config: ZayaConfig, layout: Layout, traffic: Traffic) -> Non
 
 
 @functools.lru_cache(maxsize=1024)
-def _muon_bytes(inv, n: int) -> float:
-    """Summed over the ranks: every rank's piece of every split matrix but its owner's."""
-    gathered = 0.0
+def _muon_bytes(inv, n: int, r: int) -> tuple[float, float]:
+    """Elements sent, summed over the ranks of `r` replicas of `n` shards (`zaya.optim.distributed`): to the
+    owners, every piece of a split matrix but the owner's, from the owner's replica only; back, every rank's
+    part of every result but the owner's own, on every replica (a matrix a shard holds whole goes back to that
+    shard on the other replicas only)."""
+    gathered = returned = 0.0
     for param in inv.params:
-        if param.muon and not (len(param.shape) == 3 and shard_dim(param.shape, n) == 0):
+        if not param.muon:
+            continue
+        if len(param.shape) == 3 and (n == 1 or shard_dim(param.shape, n) == 0):  # whole matrices per shard
+            returned += param.numel * (r - 1)
+        else:
             gathered += param.numel * (n - 1) / n
-    return gathered
+            returned += param.numel * (r - 1 / n)
+    return gathered, returned
 
 
 def step_traffic(config: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro_batches: int,
