@@ -52,7 +52,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     from zaya.optim.hybrid import build_optimizer
     from zaya.parallel.config import ParallelConfig, ParallelizeConfig
     from zaya.parallel.dtensor import clip_grad_norm_, local, local_bytes
-    from zaya.parallel.fsdp import accumulate, fsdp_volume, parallelize
+    from zaya.parallel.fsdp import accumulate, fsdp_volume, parallelize, reduce_replicated_gradients
     from zaya.parallel.launch import Launch
     from zaya.parallel.mesh import init_parallel
 
@@ -73,6 +73,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss = model.loss(micro[:, :-1], micro[:, 1:])
             (loss * micro.shape[0] / ids.shape[0]).backward()
+        reduce_replicated_gradients(model, context.fsdp_mesh, context.counter)
         clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
         forward_backward = context.counter.take()
         optimizer.step()

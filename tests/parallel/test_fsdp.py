@@ -14,7 +14,15 @@ import zaya
 from ranks import run_distributed
 from zaya.model.transformer import RouterStats
 from zaya.parallel.config import ParallelConfig, ParallelizeConfig
-from zaya.parallel.fsdp import accumulate, fsdp_volume, parallelize, release
+from zaya.parallel.dtensor import is_dtensor
+from zaya.parallel.fsdp import (
+    accumulate,
+    fsdp_volume,
+    parallelize,
+    reduce_replicated_gradients,
+    release,
+    replicated_parameters,
+)
 from zaya.parallel.launch import Launch
 from zaya.parallel.mesh import init_parallel
 
@@ -43,16 +51,22 @@ def _volume_worker(rank: int, world: int, replicas: int, precision: str) -> dict
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         loss = model.loss(ids[:, :-1], ids[:, 1:])
     loss.backward()
+    reduce_replicated_gradients(model, context.fsdp_mesh, context.counter)
     sent = context.counter.take()
     theory = fsdp_volume(_model(fp32_logits=True), world // replicas, replicas, precision)
-    return {"sent": sent, "theory": theory, "dtypes": {k: str(v) for k, v in seen.items()}}
+    routers = replicated_parameters(model)
+    assert routers and not any(is_dtensor(p) for p in routers)  # whole on every rank, in no unit
+    router_grads = torch.cat([p.grad.reshape(-1) for p in routers])
+    return {"sent": sent, "theory": theory, "dtypes": {k: str(v) for k, v in seen.items()},
+            "router_elements": sum(p.numel() for p in routers), "router_grads": router_grads}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "replicas", "precision"), [(2, 1, "fp32"), (2, 1, "bf16"), (4, 2, "fp32")],
                          ids=["fsdp-fp32", "fsdp-bf16", "hsdp-fp32"])
 def test_fsdp_traffic_matches_its_theoretical_volume(world, replicas, precision):
-    for result in run_distributed(_volume_worker, world, replicas, precision, timeout=240):
+    results = run_distributed(_volume_worker, world, replicas, precision, timeout=240)
+    for result in results:
         fsdp = sum(v for k, v in result["sent"].items() if k.startswith("fsdp_"))
         # measured from the collectives themselves; above the theory only by the padding of uneven shards
         assert 1.0 <= fsdp / result["theory"] <= 1.1, result
@@ -60,6 +74,9 @@ def test_fsdp_traffic_matches_its_theoretical_volume(world, replicas, precision)
         low = "torch.bfloat16" if precision == "bf16" else "torch.float32"
         # the router keeps fp32 parameters under bf16 mixed precision, the rest of a block does not
         assert result["dtypes"] == {"router": "torch.float32", "attention": low}
+        # the routers' gradients: one fp32 all-reduce over every rank, after which every rank has the same
+        assert result["sent"]["replicated"] == 2 * result["router_elements"] * 4 * (world - 1) // world
+        torch.testing.assert_close(result["router_grads"], results[0]["router_grads"], rtol=0, atol=0)
 
 
 def _accumulation_worker(rank: int, world: int) -> dict:
@@ -81,15 +98,18 @@ def _accumulation_worker(rank: int, world: int) -> dict:
                 loss = model.loss(micro[:, :-1], micro[:, 1:])
                 (loss * micro.shape[0] / batch.shape[0]).backward()
                 total += loss.item() * micro.shape[0] / batch.shape[0]
-            sent.append(sum(v for k, v in context.counter.take().items() if k.startswith("fsdp_")))
+            reduce_replicated_gradients(model, context.fsdp_mesh, context.counter)
+            sent.append(sum(v for k, v in context.counter.take().items() if k.startswith("fsdp_") or k == "replicated"))
             losses.append(total)
-            grads = [p.grad.full_tensor() for p in model.parameters()]
+            grads = [p.grad.full_tensor() if is_dtensor(p.grad) else p.grad.clone() for p in model.parameters()]
             optimizer.step()
             optimizer.zero_grad()
             with torch.no_grad():  # the new weights gathered and kept, then freed: the next step gathers again
                 model.loss(batch[:2, :-1], batch[:2, 1:])
             release(model, sharding)
-        theory = fsdp_volume(_model(), world, 1, "fp32", micro_batches, sharding=sharding)
+        routers = sum(p.numel() for p in replicated_parameters(model))
+        theory = fsdp_volume(_model(), world, 1, "fp32", micro_batches, sharding=sharding) + \
+            2 * routers * 4 * (world - 1) / world
         results[sharding, micro_batches] = {"sent": sent, "theory": theory, "losses": losses, "grads": grads}
     return results
 

@@ -36,8 +36,10 @@ SECTIONS = dict(
 LOSS_TOLERANCE = 1e-5
 # a run that changes world size mid-way has summed in more orders than one that did not: after 6 steps its
 # parameters moved up to 1.03e-5 (relative) from one process's on 1 -> 3 and 2 -> 3, and up to 1.9e-5 on 3
-# ranks from the start (on an Intel Xeon's BLAS)
-TOLERANCE = 5e-5
+# ranks from the start (on an Intel Xeon's BLAS); since the model draws its initial values once per tensor
+# (`Zaya.initializers`), the two-expert model of the row-split test moves up to 5.1e-5 on 3 -> 2 ranks in its
+# convolutions' small weights (its twin 1.1e-5), on a Zen 3 EPYC
+TOLERANCE = 1e-4
 # Some small tensors are ill-conditioned in fp32: one process with 4 samples per micro-batch instead of 2 ends
 # 5.9e-5 (relative) from itself in the 192 weights of blocks.1.attn.conv0_weight, 94% of it in one element whose
 # AdamW update divides near-cancelling moments. Such a tensor may differ from one process by ORDER_FACTOR times

@@ -74,8 +74,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
+        self.base = base
         self.register_buffer("inv_freq", self._inv_freq(rotary_dim, base), persistent=False)
         self.register_buffer("partner", self._partner(head_dim, rotary_dim), persistent=False)
+
+    def initializers(self):
+        """The tables, with what sets them (for a model built on the meta device: `Zaya.initializers`)."""
+        inv_freq, partner = self._inv_freq(self.rotary_dim, self.base), self._partner(self.head_dim, self.rotary_dim)
+        yield self.inv_freq, lambda tensor: tensor.copy_(inv_freq)
+        yield self.partner, lambda tensor: tensor.copy_(partner)
 
     @staticmethod
     def _inv_freq(rotary_dim: int, base: float) -> torch.Tensor:

@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,53 +101,71 @@ class ZayaBlock(nn.Module):
         return self.moe_residual(m, u), routing
 
 
+def _copy_from(source: torch.Tensor, tensor: torch.Tensor) -> None:
+    tensor.copy_(source)
+
+
 class Zaya(nn.Module):
     """A ZAYA1-style MoE language model. `model(ids)` maps token ids [B, T] to logits [B, T, V]."""
 
     def __init__(self, config: ZayaConfig):
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_scaling = EmbeddingScaling(config.hidden_size)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rotary_dim, config.rope_theta)
-        self.blocks = nn.ModuleList(ZayaBlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        device = torch.get_default_device()
+        # built on the meta device, then allocated and initialised once: the random draws are `initializers`'
+        # alone (not also those of each layer's constructor), so that a sharded model built shard by shard
+        # draws the same stream (`zaya.parallel.materialize`)
+        with torch.device("meta"):
+            self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_scaling = EmbeddingScaling(config.hidden_size)
+            self.rotary = RotaryEmbedding(config.head_dim, config.rotary_dim, config.rope_theta)
+            self.blocks = nn.ModuleList(ZayaBlock(config, i) for i in range(config.num_hidden_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.to_empty(device=device)
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Initialise as the HF-native code does (spec section 8): N(0, initializer_range) for every matrix,
-        the embedding, the experts and the convolutions; zeros for biases; ones for norms, scales and EDA
-        gammas; `temp_init` for the key temperatures; balancing biases 0 with the skip route at -1."""
-        std = self.config.initializer_range
+        """Initialise as the HF-native code does (spec section 8): `initializers`, applied in place."""
+        for tensor, fill in self.initializers():
+            fill(tensor)
+
+    def initializers(self) -> Iterator[tuple[torch.Tensor, Callable[[torch.Tensor], object]]]:
+        """Every parameter and buffer with what sets it, in the order of the random draws: N(0,
+        initializer_range) for every matrix, the embedding, the experts and the convolutions; zeros for biases;
+        ones for norms, scales and EDA gammas; `temp_init` for the key temperatures; balancing biases 0 with
+        the skip route at -1; RoPE's tables. A sharded model built on the meta device applies each to a whole
+        tensor and keeps its shard (`zaya.parallel.materialize`), so that its values are one process's."""
+        normal = functools.partial(nn.init.normal_, mean=0.0, std=self.config.initializer_range)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, 0.0, std)
+                yield module.weight, normal
                 if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                    yield module.bias, nn.init.zeros_
             elif isinstance(module, Experts):
-                nn.init.normal_(module.gate_up_proj, 0.0, std)
-                nn.init.normal_(module.down_proj, 0.0, std)
+                yield module.gate_up_proj, normal
+                yield module.down_proj, normal
             elif isinstance(module, CompressedConvAttention):
-                nn.init.normal_(module.conv0_weight, 0.0, std)
-                nn.init.normal_(module.conv1_weight, 0.0, std)
-                nn.init.zeros_(module.conv0_bias)
-                nn.init.zeros_(module.conv1_bias)
-                module.temp.fill_(self.config.temp_init)
+                yield module.conv0_weight, normal
+                yield module.conv1_weight, normal
+                yield module.conv0_bias, nn.init.zeros_
+                yield module.conv1_bias, nn.init.zeros_
+                yield module.temp, functools.partial(torch.Tensor.fill_, value=self.config.temp_init)
             elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
+                yield module.weight, nn.init.ones_
             elif isinstance(module, ResidualScaling):
-                for scale in (module.branch_scale, module.stream_scale):
-                    nn.init.ones_(scale)
-                for bias in (module.branch_bias, module.stream_bias):
-                    nn.init.zeros_(bias)
+                yield from ((scale, nn.init.ones_) for scale in (module.branch_scale, module.stream_scale))
+                yield from ((bias, nn.init.zeros_) for bias in (module.branch_bias, module.stream_bias))
             elif isinstance(module, EmbeddingScaling):
-                nn.init.ones_(module.scale)
-                nn.init.zeros_(module.bias)
+                yield module.scale, nn.init.ones_
+                yield module.bias, nn.init.zeros_
             elif isinstance(module, ZayaRouter):
                 if module.router_states_scale is not None:
-                    nn.init.ones_(module.router_states_scale)
-                module.balancing_biases.copy_(initial_balancing_biases(module.num_experts))
+                    yield module.router_states_scale, nn.init.ones_
+                biases = initial_balancing_biases(module.num_experts)
+                yield module.balancing_biases, functools.partial(_copy_from, biases)
+            elif isinstance(module, RotaryEmbedding):
+                yield from module.initializers()
 
     def parameter_groups(self) -> list[ParameterGroup]:
         """The parameters in the groups an optimizer treats alike (`zaya.model.groups`)."""

@@ -8,19 +8,20 @@ checkpointed, compiled forward. The same code runs on one rank (a one-rank mesh:
 is sent) and on many.
 
 Units, each one all-gather in forward (and again in backward) and one reduce-scatter of its gradients:
-every block; inside each block its router, a unit of its own so that it can keep fp32 parameters (routing
-decisions are discrete, and bf16 rounding of the router's weights flips them); and the root (embedding,
-final norm). The root's forward method is `Zaya.loss` as well as `Zaya.forward`.
+every block, and the root (embedding, final norm). The root's forward method is `Zaya.loss` as well as
+`Zaya.forward`.
+
+The routers are no part of any unit: they stay whole and fp32 on every rank (`replicated_parameters`:
+routing decisions are discrete, and bf16 rounding of the router's weights flips them; ZAYA1-base's 40 routers
+hold 0.3% of its parameters). No router is gathered, and their gradients are averaged over the data-parallel
+ranks in one all-reduce per step (`reduce_replicated_gradients`, after the last micro-batch) instead of a
+gathering and a reduction of 40 small units per micro-batch. A compiled block (`train.compile`: one graph,
+and FSDP's hooks are never traced, so no unit may nest in it) is then one bf16 unit like an eager one.
 
 Mixed precision (`train.precision = "bf16"`): the blocks' parameters are all-gathered and used in bf16, the
-router's and (with `fp32_logits`, so that the tied LM head runs in fp32 as in one process) the root's in
-fp32; gradients are reduced in fp32 into the fp32 shards the optimizer updates. Forward inputs are not cast:
-the residual stream stays fp32, and autocast still covers the activations.
-
-Compiled blocks (`train.compile`) are one graph each, and FSDP's hooks are never traced: a unit nested in a
-compiled block would break its graph. There the router is no unit of its own: the block is one unit gathered
-in fp32, and autocast casts its matrices to bf16 where they are used, as in one process (on one rank nothing
-is gathered; across ranks a block's gather moves twice the bytes of a bf16 one).
+root's too unless `fp32_logits` (so that the tied LM head runs in fp32 as in one process) keeps it fp32;
+gradients are reduced in fp32 into the fp32 shards the optimizer updates. Forward inputs are not cast: the
+residual stream stays fp32, and autocast still covers the activations.
 
 Sharding modes (`parallel.sharding`). "full" (ZeRO-3): every micro-batch gathers each block for its forward and
 again for its backward, and reduce-scatters its gradients (with HSDP, all-reduces them over the replicas).
@@ -52,8 +53,9 @@ from torch.utils.checkpoint import checkpoint
 
 from zaya.errors import ZayaError
 from zaya.model.transformer import Zaya
-from zaya.parallel.comm import CommCounter, count_fsdp
+from zaya.parallel.comm import CommCounter, all_reduce, count_fsdp
 from zaya.parallel.config import ACTIVATION_CHECKPOINTING, SHARDINGS, ParallelizeConfig
+from zaya.parallel.dtensor import slots_group
 
 
 def shard_dim(shape: tuple[int, ...], ranks: int) -> int:
@@ -73,22 +75,25 @@ class Unit:
     reshard_after_forward: bool
 
 
-def fsdp_units(model: Zaya, compiled: bool = False) -> Iterator[Unit]:
-    """The units of the module docstring, innermost first (the order `fully_shard` must see them in), for
-    compiled blocks or eager ones."""
+def fsdp_units(model: Zaya) -> Iterator[Unit]:
+    """The units of the module docstring, innermost first (the order `fully_shard` must see them in)."""
     for block in model.blocks:
-        if not compiled:
-            yield Unit(block.moe.router, keep_fp32=True, reshard_after_forward=True)
-        yield Unit(block, keep_fp32=compiled, reshard_after_forward=True)
+        yield Unit(block, keep_fp32=False, reshard_after_forward=True)
     # FSDP2 keeps the root's parameters gathered from forward to backward: they are needed first in backward
     yield Unit(model, keep_fp32=model.config.fp32_logits, reshard_after_forward=False)
 
 
-def unit_parameters(model: Zaya, compiled: bool = False) -> list[tuple[Unit, list[nn.Parameter]]]:
-    """Each unit with the parameters `fully_shard` gives it: its own, less those of the units before it."""
-    taken: set[int] = set()
+def replicated_parameters(model: Zaya) -> list[nn.Parameter]:
+    """The parameters no unit takes: every router's, whole and fp32 on every rank."""
+    return [p for block in model.blocks for p in block.moe.router.parameters()]
+
+
+def unit_parameters(model: Zaya) -> list[tuple[Unit, list[nn.Parameter]]]:
+    """Each unit with the parameters `fully_shard` gives it: its own, less those of the units before it and
+    the replicated ones."""
+    taken: set[int] = {id(p) for p in replicated_parameters(model)}
     result = []
-    for unit in fsdp_units(model, compiled):
+    for unit in fsdp_units(model):
         params = [p for p in unit.module.parameters() if id(p) not in taken]
         taken.update(id(p) for p in params)
         result.append((unit, params))
@@ -121,7 +126,8 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
     def placement(param: nn.Parameter) -> Shard:
         return Shard(shard_dim(tuple(param.shape), ranks))
 
-    for unit in fsdp_units(model, config.compile):
+    replicated = set(replicated_parameters(model))
+    for unit in fsdp_units(model):
         low = torch.bfloat16 if bf16 and not unit.keep_fp32 else None
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if bf16 else None,
                                       cast_forward_inputs=False)
@@ -129,11 +135,26 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
         # costs a second gathering copy in backward
         reshard = gathers_per_micro_batch(unit, config.sharding, ranks) == 2
         fully_shard(unit.module, mesh=dp_mesh, reshard_after_forward=reshard, shard_placement_fn=placement,
-                    mp_policy=policy)
+                    mp_policy=policy, ignored_params=replicated)
         if counter is not None:
             count_fsdp(unit.module, counter, replicas)
     register_fsdp_forward_method(model, "loss")
     return model
+
+
+def reduce_replicated_gradients(model: Zaya, mesh: DeviceMesh, counter: CommCounter | None = None) -> None:
+    """Average the replicated parameters' gradients over every rank of `mesh` (the FSDP mesh), as FSDP2 averages
+    its units' gradients: one all-reduce, once per step, after the last micro-batch's backward."""
+    if mesh.size() == 1:
+        return
+    grads = [p.grad for p in replicated_parameters(model) if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(flat, slots_group(tuple(int(r) for r in mesh.mesh.flatten().tolist())), counter, "replicated")
+    flat /= mesh.size()
+    torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in grads]),
+                                                                     grads, strict=True)])
 
 
 def gathers_per_micro_batch(unit: Unit, sharding: str, ranks: int) -> int:
@@ -189,7 +210,7 @@ def is_recomputed(module: nn.Module) -> bool:
 
 
 def fsdp_volume(model: Zaya, shard_ranks: int, replicas: int, precision: str, micro_batches: int = 1,
-                compiled: bool = False, sharding: str = "full") -> float:
+                sharding: str = "full") -> float:
     """FSDP2's theoretical bytes sent per rank in one optimizer step of `micro_batches` micro-batches, by the
     formulas of `zaya.parallel.comm` and without the padding of uneven shards: per unit and micro-batch that
     gathers it (`collectives_per_step`) one all-gather of its parameters in forward, one more in backward if
@@ -197,7 +218,7 @@ def fsdp_volume(model: Zaya, shard_ranks: int, replicas: int, precision: str, mi
     reduced shards."""
     n, r = shard_ranks, replicas
     total = 0.0
-    for unit, params in unit_parameters(model, compiled):
+    for unit, params in unit_parameters(model):
         numel = sum(p.numel() for p in params)
         param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else 4
         total += gathers_per_micro_batch(unit, sharding, n) * numel * param_bytes * (n - 1) / n

@@ -82,7 +82,7 @@ def predicted_step(case: Case, rank: int = 0, device: DeviceSpec | None = None, 
     model = run.model
     layout = case.layout
     # a rank's place in its FSDP group (dp_shard x cp, the innermost dimensions)
-    parameters, gradients, optimizer = state_bytes(inventory(model, layout.compiled), layout.shard_ranks,
+    parameters, gradients, optimizer = state_bytes(inventory(model), layout.shard_ranks,
                                                    rank % layout.shard_ranks)
     details = device_details(device, table.device, case.precision) if table is not None else CPU_DETAILS[
         case.precision]

@@ -17,7 +17,7 @@ from zaya.model.config import ZayaConfig
 from zaya.model.transformer import Zaya
 from zaya.optim.hybrid import split_parameters
 from zaya.parallel.dtensor import chunk_bounds
-from zaya.parallel.fsdp import shard_dim, unit_parameters
+from zaya.parallel.fsdp import replicated_parameters, shard_dim, unit_parameters
 
 
 @dataclass(frozen=True)
@@ -63,43 +63,47 @@ class Unit:
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: one instance per config (`inventory` caches them)
 class Inventory:
-    """All parameters of a model config, by FSDP2 unit."""
+    """All parameters of a model config: by FSDP2 unit, and those no unit takes (whole on every rank)."""
 
     units: tuple[Unit, ...]
+    replicated: tuple[Param, ...] = ()
 
     @property
     def params(self) -> tuple[Param, ...]:
+        """The sharded parameters."""
         return tuple(p for unit in self.units for p in unit.params)
 
     @property
     def numel(self) -> int:
+        """Elements of the sharded parameters."""
         return sum(unit.numel for unit in self.units)
+
+    @property
+    def replicated_numel(self) -> int:
+        return sum(p.numel for p in self.replicated)
 
     def block_units(self) -> tuple[Unit, ...]:
         return tuple(unit for unit in self.units if unit.block)
 
 
-def inventory(config: ZayaConfig, compiled: bool = True) -> Inventory:
-    """The `Inventory` of a model of `config`, its units those of compiled blocks or eager ones (cached: a
-    layout search asks for it many times)."""
-    return _inventory(json.dumps(config.to_dict(), sort_keys=True), compiled)
+def inventory(config: ZayaConfig) -> Inventory:
+    """The `Inventory` of a model of `config` (cached: a layout search asks for it many times)."""
+    return _inventory(json.dumps(config.to_dict(), sort_keys=True))
 
 
 @functools.lru_cache(maxsize=16)
-def _inventory(key: str, compiled: bool) -> Inventory:
+def _inventory(key: str) -> Inventory:
     config = ZayaConfig(**json.loads(key))
     with torch.device("meta"):
         model = Zaya(config)
     muon = {id(p) for spec in split_parameters(model) if spec.algorithm == "muon" for p in spec.params}
     blocks = {id(block) for block in model.blocks}
-    # a router is a unit of its own inside its block: it counts as block memory, gathered with its block
-    routers = {id(block.moe.router) for block in model.blocks}
     units = []
-    for unit, params in unit_parameters(model, compiled):
+    for unit, params in unit_parameters(model):
         members = tuple(Param(tuple(p.shape), id(p) in muon) for p in params)
-        units.append(Unit(members, unit.keep_fp32, unit.reshard_after_forward,
-                          id(unit.module) in blocks or id(unit.module) in routers))
-    return Inventory(tuple(units))
+        units.append(Unit(members, unit.keep_fp32, unit.reshard_after_forward, id(unit.module) in blocks))
+    replicated = tuple(Param(tuple(p.shape), id(p) in muon) for p in replicated_parameters(model))
+    return Inventory(tuple(units), replicated)
 
 
 def _prod(shape: tuple[int, ...]) -> int:

@@ -101,7 +101,7 @@ def measured_step(launch: Launch, preset: str, precision: str, seq_len: int, mic
     from zaya.parallel.config import ParallelConfig, ParallelizeConfig
     from zaya.parallel.context import ContextParallel, SequenceLayout
     from zaya.parallel.dtensor import clip_grad_norm_
-    from zaya.parallel.fsdp import parallelize
+    from zaya.parallel.fsdp import parallelize, reduce_replicated_gradients
     from zaya.parallel.mesh import init_parallel
     from zaya.train.config import TrainSection
 
@@ -136,6 +136,7 @@ def measured_step(launch: Launch, preset: str, precision: str, seq_len: int, mic
                 if micro == 0:
                     result["activations"] = saved
                 (loss / micro_batches).backward()
+            reduce_replicated_gradients(model, context.fsdp_mesh, context.counter)
             clip_grad_norm_([p for p in model.parameters() if p.grad is not None], TrainSection.grad_clip)
             optimizer.step()
             times.append(time.perf_counter() - started)

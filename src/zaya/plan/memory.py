@@ -108,9 +108,11 @@ class Memory:
 
 @functools.lru_cache(maxsize=256)
 def state_bytes(inv: Inventory, shard_ranks: int, rank: int = 0) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer state) of `rank` among `shard_ranks` FSDP2 ranks, in bytes."""
-    padded = sum(p.padded_shard_numel(shard_ranks) for p in inv.params)
+    """(parameters, gradients, optimizer state) of `rank` among `shard_ranks` FSDP2 ranks, in bytes; the
+    replicated parameters (the routers) whole on every rank."""
+    padded = sum(p.padded_shard_numel(shard_ranks) for p in inv.params) + inv.replicated_numel
     optimizer = sum((1 if p.muon else 2) * p.shard_numel(shard_ranks, rank) for p in inv.params)
+    optimizer += sum((1 if p.muon else 2) * p.numel for p in inv.replicated)
     return padded * FP32, padded * FP32, optimizer * FP32
 
 
@@ -198,12 +200,8 @@ def buffer_bytes(inv: Inventory, shard_ranks: int, precision: str, sharding: str
     stays gathered for the whole step, and with more than one micro-batch every gradient is kept whole in fp32
     until the last one reduces it."""
     blocks = [u for u in inv.units if u.block]
-    # a block and its router unit are gathered together (compiled blocks have no router unit: pairs of blocks
-    # then, which only overstates the two in flight)
-    per_block = [_unit_bytes(blocks[i], precision) + _unit_bytes(blocks[i + 1], precision)
-                 for i in range(0, len(blocks) - 1, 2)] or [0]
-    grads = [sum(u.numel for u in blocks[i:i + 2]) * (FP32 + (2 if precision == "bf16" else FP32))
-             for i in range(0, len(blocks) - 1, 2)] or [0]
+    per_block = [_unit_bytes(u, precision) for u in blocks] or [0]
+    grads = [u.numel * (FP32 + (2 if precision == "bf16" else FP32)) for u in blocks] or [0]
     root = sum(_unit_bytes(u, precision) for u in inv.units if not u.block)
     whole = shard_ranks == 1 or sharding == "zero2"
     gathered = sum(per_block) if whole else 2 * max(per_block)
@@ -227,7 +225,7 @@ def memory_per_gpu(config: ZayaConfig, layout: Layout, seq_len: int, precision: 
                    details: DeviceDetails = GPU_DETAILS, mode: str | None = None, micro_batches: int = 1) -> Memory:
     """The `Memory` of rank 0 (the largest shard) of a run of `layout` on sequences of `seq_len` tokens and
     `micro_batches` micro-batches a step; `mode` overrides the layout's activation checkpointing."""
-    inv = inventory(config, layout.compiled)
+    inv = inventory(config)
     params, grads, optimizer = state_bytes(inv, layout.shard_ranks)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     saved, recompute = activation_bytes(config, tokens, seq_len, layout.cp, precision,

@@ -279,7 +279,7 @@ def fsdp_copy_bytes(c: ZayaConfig, layout: Layout, precision: str, micro_batches
 
     times = collectives_per_step(layout.sharding, micro_batches)
     total = 0.0
-    for unit in inventory(c, layout.compiled).units:
+    for unit in inventory(c).units:
         param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else 4
         gathers = gathers_per_micro_batch(unit, layout.sharding, layout.shard_ranks)
         total += times * (gathers * 4 * unit.numel * param_bytes + 6 * unit.numel * 4)
@@ -299,7 +299,9 @@ def optimizer_seconds(c: ZayaConfig, rates: Rates, layout: Layout, ns_dtype: str
     owners = n * layout.dp_replicate
     dtype = "bf16" if ns_dtype in ("bfloat16", "bf16") else "fp32"
     seconds, muon_elements, adamw_elements = 0.0, 0, 0
-    for param in inventory(c).params:
+    inv = inventory(c)
+    # the replicated parameters (the routers) are updated whole on every rank: as if on one
+    for param, share in [(p, owners) for p in inv.params] + [(p, 1) for p in inv.replicated]:
         if param.muon:
             count = param.shape[0] if len(param.shape) == 3 else 1
             rows, cols = param.shape[-2:]
@@ -308,14 +310,13 @@ def optimizer_seconds(c: ZayaConfig, rates: Rates, layout: Layout, ns_dtype: str
             per_step = 2.0 * k * k * m / rates.gemm_rate("dense", k, k, m, 1, dtype) + \
                 2.0 * k ** 3 / rates.gemm_rate("dense", k, k, k, 1, dtype) + \
                 2.0 * k * k * m / rates.gemm_rate("dense", k, m, k, 1, dtype)
-            seconds += count * ns_steps * per_step / owners
-            muon_elements += param.numel
+            seconds += count * ns_steps * per_step / share
+            muon_elements += param.numel / (1 if share == 1 else n)  # this rank's shard, or all of it
         else:
-            adamw_elements += param.numel
+            adamw_elements += param.numel / (1 if share == 1 else n)
     if gemms_only:
         return seconds
-    moved = (muon_elements * MUON_BYTES + adamw_elements * ADAMW_BYTES + (muon_elements + adamw_elements)
-             * CLIP_BYTES) / n
+    moved = muon_elements * MUON_BYTES + adamw_elements * ADAMW_BYTES + (muon_elements + adamw_elements) * CLIP_BYTES
     return seconds + moved / rates.memory_bandwidth * factor
 
 
@@ -365,6 +366,6 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     exposed = max(0.0, fsdp - carrying) + edges if fsdp else 0.0
     cp = sum(v for k, v in seconds.items() if k.startswith("cp_"))
     exposed += cp if cp_kernel == "allgather" else max(0.0, cp - time.attention)
-    exposed += sum(v for k, v in seconds.items() if k.startswith("muon_") or k == "trainer")
+    exposed += sum(v for k, v in seconds.items() if k.startswith("muon_") or k in ("trainer", "replicated"))
     time.comm_exposed = exposed
     return time

@@ -14,6 +14,8 @@ all-reduce 2 S (N - 1) / N, an all-to-all the bytes addressed to others):
   last P packed vectors and one value-shift vector of each segment whose successor lives elsewhere, forward
   and backward) and the keys and values: (cp - 1) shards in forward, again in backward, and (cp - 1) shards
   of their gradients home, in fp32; with full activation checkpointing the forward's share is sent twice;
+- the routers' gradients (whole on every rank, `zaya.parallel.fsdp.replicated_parameters`), per step: one fp32
+  all-reduce over every rank;
 - the trainer's own all-reduces: the gradient norm and the step's statistics.
 
 Per rank the figure is the mean over the ranks of a group (owners send more than others in Muon's scatter).
@@ -34,7 +36,7 @@ FP32 = 4
 # which mesh dimension each counted kind of traffic runs over
 DIMENSION = {"fsdp_all_gather": "dp_shard_cp", "fsdp_reduce_scatter": "dp_shard_cp",
              "fsdp_all_reduce": "dp_replicate", "muon_gather": "world", "muon_scatter": "world",
-             "cp_kv": "cp", "cp_dkv": "cp", "cp_halo": "cp", "trainer": "world"}
+             "cp_kv": "cp", "cp_dkv": "cp", "cp_halo": "cp", "trainer": "world", "replicated": "world"}
 
 
 @dataclass
@@ -61,7 +63,7 @@ class Traffic:
 def fsdp_traffic(config: ZayaConfig, layout: Layout, precision: str, micro_batches: int, traffic: Traffic) -> None:
     n, r = layout.shard_ranks, layout.dp_replicate
     times = collectives_per_step(layout.sharding, micro_batches)
-    for unit in inventory(config, layout.compiled).units:
+    for unit in inventory(config).units:
         shard = unit.padded_shard_numel(n)
         param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else FP32
         gathers = gathers_per_micro_batch(unit, layout.sharding, n)
@@ -104,6 +106,12 @@ def cp_traffic(config: ZayaConfig, layout: Layout, seq_len: int, kernel: str, sh
         traffic.add("cp_dkv", layers * (cp - 1) * kv_shard)  # each partial gradient hops cp - 1 times
 
 
+def replicated_traffic(config: ZayaConfig, layout: Layout, traffic: Traffic) -> None:
+    """The replicated parameters' (the routers') fp32 gradients, all-reduced over every rank once per step."""
+    world = layout.gpus
+    traffic.add("replicated", 2 * inventory(config).replicated_numel * FP32 * (world - 1) / world)
+
+
 def trainer_traffic(config: ZayaConfig, layout: Layout, traffic: Traffic) -> None:
     world = layout.gpus
     if world == 1:
@@ -141,6 +149,7 @@ def step_traffic(config: ZayaConfig, layout: Layout, seq_len: int, precision: st
     traffic = Traffic()
     fsdp_traffic(config, layout, precision, micro_batches, traffic)
     muon_traffic(config, layout, ns_dtype, traffic)
+    replicated_traffic(config, layout, traffic)
     cp_traffic(config, layout, seq_len, cp_kernel, cp_sharding, micro_batches, traffic)
     trainer_traffic(config, layout, traffic)
     return traffic

@@ -55,7 +55,8 @@ from zaya.optim.hybrid import build_optimizer, describe_param_groups
 from zaya.optim.schedule import set_lr_multiplier
 from zaya.parallel.comm import all_reduce
 from zaya.parallel.dtensor import clip_grad_norm_
-from zaya.parallel.fsdp import accumulate, parallelize, release
+from zaya.parallel.fsdp import accumulate, parallelize, reduce_replicated_gradients, release
+from zaya.parallel.materialize import materialize
 from zaya.parallel.mesh import ParallelContext, init_parallel
 from zaya.resilience.findings import Finding
 from zaya.resilience.incidents import IncidentLog
@@ -119,13 +120,13 @@ class Trainer:
         if self.resume_from is not None:
             warm = threading.Thread(target=ckpt.prewarm, args=(self.resume_from,), daemon=True)
             warm.start()  # the page cache fills while the model is being built
-        torch.manual_seed(self.config.train.seed)
-        with torch.device(self.device):
-            model = Zaya(self.config.model)  # the same full model on every rank, then sharded
+        with torch.device("meta"):
+            model = Zaya(self.config.model)  # no rank ever holds the whole model: its shards are made in place
+        model = parallelize(model, self.parallel.fsdp_mesh, self.config.parallelize, self.parallel.counter)
+        self.model = materialize(model, self.device, self.config.train.seed)
         balance = self.config.balance
         self.controller = BalanceController([block.moe.router for block in model.blocks], balance.kp, balance.ki,
                                             balance.kd, balance.error)
-        self.model = parallelize(model, self.parallel.fsdp_mesh, self.config.parallelize, self.parallel.counter)
         self.optimizer = build_optimizer(self.model, self.config.optim, comm=self.parallel.counter)
         self.manager = ckpt.CheckpointManager(self.checkpoint_dir, keep=self.config.checkpoint.keep,
                                               rank=self.launch.rank, world_size=self.launch.world_size,
@@ -264,6 +265,7 @@ class Trainer:
                     loss = loss * scale
             (loss * (grad_factor * micro.shape[0] / rows)).backward()
             loss_sum += loss.detach().double() * micro.shape[0]
+        reduce_replicated_gradients(self.model, self.parallel.fsdp_mesh, self.parallel.counter)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm_(params, train.grad_clip, self._all_reduce)
         lr_scale = self.stops.schedule().multiplier(step) * phase.lr_scale
