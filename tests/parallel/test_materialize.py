@@ -63,10 +63,11 @@ def test_two_ranks_hold_one_processs_values_in_about_half_its_memory():
     for result in run_distributed(_worker, 2, "small", timeout=240):
         assert result["same"]
         # one process holds the model once (434 MB of fp32); a rank its half, one whole tensor at a time (the
-        # largest, 34 MB) and FSDP2's structures (about 33 MB): 0.64 of one process's on the machine it was
-        # written on
+        # largest, 34 MB) and FSDP2's structures (about 33 MB): 0.64-0.74 of one process's, by the resident
+        # memory of a rank process that ran other tests before; a rank that built the whole model would be
+        # above 1
         assert result["whole_peak"] >= 0.95 * result["bytes"], result
-        assert result["sharded_peak"] <= 0.7 * result["whole_peak"], result
+        assert result["sharded_peak"] <= 0.8 * result["whole_peak"], result
 
 
 def test_a_tensor_no_initializer_sets_is_refused(monkeypatch):
