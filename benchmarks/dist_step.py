@@ -52,7 +52,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     from zaya.optim.hybrid import build_optimizer
     from zaya.parallel.config import ParallelConfig, ParallelizeConfig
     from zaya.parallel.dtensor import clip_grad_norm_, local, local_bytes
-    from zaya.parallel.fsdp import accumulate, fsdp_volume, parallelize, reduce_replicated_gradients
+    from zaya.parallel.fsdp import accumulate, fsdp_volume, parallelize, reduce_replicated_gradients, refresh
     from zaya.parallel.launch import Launch
     from zaya.parallel.mesh import init_parallel
 
@@ -74,9 +74,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
                 loss = model.loss(micro[:, :-1], micro[:, 1:])
             (loss * micro.shape[0] / ids.shape[0]).backward()
         reduce_replicated_gradients(model, context.fsdp_mesh, context.counter)
-        clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+        clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None], 1.0)
         forward_backward = context.counter.take()
         optimizer.step()
+        refresh(model, mode)  # ZeRO-1's gathering after the update
         muon = context.counter.take()
         if step:  # the first step builds the optimizer state and the owner plan
             times.append(time.perf_counter() - started)
@@ -129,7 +130,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches each rank's batch is cut into")
-    parser.add_argument("--shardings", nargs="+", default=["full"], choices=["full", "zero2"])
+    parser.add_argument("--shardings", nargs="+", default=["full"], choices=["full", "zero2", "zero1"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--plan-ranks", type=int, nargs="+", default=[2, 3, 4, 8, 32, 64])

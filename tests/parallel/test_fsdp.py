@@ -20,6 +20,7 @@ from zaya.parallel.fsdp import (
     fsdp_volume,
     parallelize,
     reduce_replicated_gradients,
+    refresh,
     release,
     replicated_parameters,
 )
@@ -80,13 +81,14 @@ def test_fsdp_traffic_matches_its_theoretical_volume(world, replicas, precision)
 
 
 def _accumulation_worker(rank: int, world: int) -> dict:
-    """Two steps of 8 sequences per rank (a plain SGD update between them, an evaluation's forward after it)
-    in each mode and number of micro-batches: the bytes FSDP sent in each step, the losses, the gradients."""
+    """Two steps of 8 sequences per rank (a plain SGD update, then an evaluation's forward) in each mode and
+    number of micro-batches: the bytes sent in each step (ZeRO-1's gathering after the update included), the
+    losses, the gradients."""
     context = init_parallel(ParallelConfig(), torch.device("cpu"), Launch.from_env(os.environ))
     batches = [torch.randint(0, 512, (8, 17), generator=torch.Generator().manual_seed(10 * step + rank))
                for step in range(2)]
     results = {}
-    for sharding, micro_batches in (("full", 4), ("zero2", 1), ("zero2", 2), ("zero2", 4)):
+    for sharding, micro_batches in (("full", 4), ("zero2", 1), ("zero2", 2), ("zero2", 4), ("zero1", 4)):
         model = parallelize(_model(), context.fsdp_mesh, _run_config(sharding=sharding), context.counter)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         sent, losses = [], []
@@ -99,10 +101,12 @@ def _accumulation_worker(rank: int, world: int) -> dict:
                 (loss * micro.shape[0] / batch.shape[0]).backward()
                 total += loss.item() * micro.shape[0] / batch.shape[0]
             reduce_replicated_gradients(model, context.fsdp_mesh, context.counter)
-            sent.append(sum(v for k, v in context.counter.take().items() if k.startswith("fsdp_") or k == "replicated"))
             losses.append(total)
-            grads = [p.grad.full_tensor() if is_dtensor(p.grad) else p.grad.clone() for p in model.parameters()]
+            grads = [p.grad.full_tensor() if is_dtensor(p.grad) else p.grad.clone()
+                     for group in optimizer.param_groups for p in group["params"]]
             optimizer.step()
+            refresh(model, sharding)
+            sent.append(sum(v for k, v in context.counter.take().items() if k.startswith("fsdp_") or k == "replicated"))
             optimizer.zero_grad()
             with torch.no_grad():  # the new weights gathered and kept, then freed: the next step gathers again
                 model.loss(batch[:2, :-1], batch[:2, 1:])
@@ -115,7 +119,7 @@ def _accumulation_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-def test_zero2_gathers_and_reduces_once_per_step_and_trains_as_full_sharding():
+def test_zero2_and_zero1_gather_and_reduce_once_per_step_and_train_as_full_sharding():
     for result in run_distributed(_accumulation_worker, 2, timeout=240):
         full = result["full", 4]
         for micro_batches in (1, 2, 4):
@@ -127,6 +131,13 @@ def test_zero2_gathers_and_reduces_once_per_step_and_trains_as_full_sharding():
             for a, b in zip(zero2["grads"], full["grads"], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
         assert full["sent"][0] > 3 * result["zero2", 4]["sent"][0]  # full sharding gathers per micro-batch
+        # ZeRO-1: the first step gathers twice (the shards it starts from, and the update), then once a step
+        zero1 = result["zero1", 4]
+        assert zero1["sent"][1] == pytest.approx(zero1["theory"], rel=0.05)
+        assert zero1["sent"][1] == pytest.approx(result["zero2", 4]["sent"][1], rel=0.01)
+        assert zero1["losses"] == pytest.approx(full["losses"], rel=1e-5)
+        for a, b in zip(zero1["grads"], full["grads"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 @pytest.fixture

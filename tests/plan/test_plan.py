@@ -148,7 +148,7 @@ def test_the_host_is_charged_for_the_kernels_it_issues_and_for_its_reads():
     assert time.overhead == pytest.approx(HOST_READS_PER_STEP * (SYNC_S + 5e-6))
 
 
-def test_zero2_sends_the_same_bytes_for_any_micro_batches_and_keeps_whole_gradients():
+def test_zero2_and_zero1_send_the_same_bytes_for_any_micro_batches_and_keep_whole_gradients():
     from zaya.plan.inventory import inventory
     from zaya.plan.memory import memory_per_gpu
     from zaya.plan.traffic import step_traffic
@@ -163,9 +163,18 @@ def test_zero2_sends_the_same_bytes_for_any_micro_batches_and_keeps_whole_gradie
                for layout in (full, zero2) for m in (1, 4)}
     assert buffers["full", 4] == buffers["full", 1] < buffers["zero2", 1]  # every block gathered at once
     assert buffers["zero2", 4] - buffers["zero2", 1] == 4 * inventory(config).numel  # whole fp32 gradients
+    # ZeRO-1: ZeRO-2's bytes and memory, its gathering after the update exposed
+    zero1 = Layout(1024, 8, 128, 8, 1, 1, "none", sharding="zero1")
+    assert step_traffic(config, zero1, 4096, "bf16", 4).by_kind == step_traffic(config, zero2, 4096, "bf16", 4).by_kind
+    assert memory_per_gpu(config, zero1, 4096, "bf16", micro_batches=4).total == \
+        memory_per_gpu(config, zero2, 4096, "bf16", micro_batches=4).total
+    run = load_config(BASE).resolve(8)  # one node, where the blocks' compute hides ZeRO-2's gathering
+    times = {mode: plan_run(run, get_device("mi300x"), None, 8, Layout(8, 8, 1, 8, 1, 4, "full", sharding=mode))
+             .first.time for mode in ("zero1", "zero2")}
+    assert times["zero1"].comm_exposed > 5 * times["zero2"].comm_exposed
 
 
-def test_the_search_weighs_both_sharding_modes_and_prints_the_settings_of_the_fastest(capsys):
+def test_the_search_weighs_every_sharding_mode_and_prints_the_settings_of_the_fastest(capsys):
     assert main(["plan", str(BASE), "--gpus", "64", "--device", "h100", "--search", "--top", "1"]) == 0
     out = capsys.readouterr().out
     fastest = out.split("the fastest, applied: ")[1].splitlines()[0]
@@ -177,4 +186,4 @@ def test_the_search_weighs_both_sharding_modes_and_prints_the_settings_of_the_fa
     planned = plan_run(run, get_device("h100"))
     listed = out.split("layouts fit; the fastest:\n")[1].splitlines()[0]
     assert f"{planned.tokens_per_s_per_gpu:,.0f} tok/s/GPU" in listed
-    assert {layout.sharding for layout in layouts(run, 8)} == {"full", "zero2"}
+    assert {layout.sharding for layout in layouts(run, 8)} == {"full", "zero2", "zero1"}

@@ -114,11 +114,12 @@ def _shards_by_rank(directory: Path) -> dict[int, int]:
 def test_a_checkpoint_chain_across_world_sizes_and_meshes_trains_like_one_process(dataset, tmp_path, single):
     config, run = _config(tmp_path, dataset), tmp_path / "run"
     _train(config, run, 1, "train.max_steps=2")
-    # full sharding, then ZeRO-2 (one gathering and one reduction per step of 2 or 3 micro-batches), then full
-    chain = [(2, [], "dp_replicate 1 x dp_shard 2"),
-             (3, ["parallel.sharding=zero2"], "zero2 sharding; mesh dp_replicate 1 x dp_shard 3"),
-             (4, ["parallel.dp_replicate=2", "parallel.sharding=zero2"], "dp_replicate 2 x dp_shard 2"),
-             (2, [], "full sharding; mesh dp_replicate 1 x dp_shard 2")]
+    # full sharding, ZeRO-1 (whole parameters kept, gathered again after each update), ZeRO-2 (one gathering
+    # and one reduction per step of 2 or 3 micro-batches) under HSDP, ZeRO-1 again
+    chain = [(2, [], "full sharding; mesh dp_replicate 1 x dp_shard 2"),
+             (3, ["parallel.sharding=zero1"], "zero1 sharding; mesh dp_replicate 1 x dp_shard 3"),
+             (4, ["parallel.dp_replicate=2", "parallel.sharding=zero2"], "zero2 sharding; mesh dp_replicate 2"),
+             (2, ["parallel.sharding=zero1"], "zero1 sharding; mesh dp_replicate 1 x dp_shard 2")]
     written = 1
     for index, (nproc, mesh, shape) in enumerate(chain):
         steps = 2 * (index + 2)

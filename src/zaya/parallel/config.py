@@ -18,8 +18,9 @@ CP_KERNELS = ("allgather", "ring")
 CP_SHARDINGS = ("headtail", "contiguous")
 # "full": parameters gathered for every micro-batch's forward and again for its backward, gradients reduced
 # after each; "zero2": gathered once per step and kept to its end, gradients accumulated whole and reduced
-# once (`zaya.parallel.fsdp`)
-SHARDINGS = ("full", "zero2")
+# once; "zero1" (ZAYA1's): kept whole across steps and gathered again once after each update
+# (`zaya.parallel.fsdp`)
+SHARDINGS = ("full", "zero2", "zero1")
 
 
 @dataclass
@@ -29,7 +30,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP replicas, each a full copy of the sharded state (usually one per node)
     dp_shard: int = -1  # -1: every rank the other dimensions leave
     cp: int = 1  # context-parallel ranks that split each sequence
-    sharding: str = "full"  # "zero2": parameters gathered and gradients reduced once per step, not per micro-batch
+    sharding: str = "full"  # "zero2", "zero1": parameters gathered and gradients reduced once per step
     cp_kernel: str = "allgather"  # "ring" passes key/value blocks rank to rank, overlapped with compute
     cp_sharding: str = "headtail"  # "contiguous": chunk r on rank r (for debugging; unbalanced work)
     backend: str = "auto"  # "auto": nccl on GPUs (CUDA and ROCm), gloo on the CPU

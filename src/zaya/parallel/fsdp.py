@@ -29,7 +29,12 @@ again for its backward, and reduce-scatters its gradients (with HSDP, all-reduce
 step; gradients accumulate unsharded (in fp32, FSDP2's accumulator for a lower parameter dtype) and are
 reduced once, in the last micro-batch's backward (`accumulate`). The bytes sent per step no longer grow with
 the micro-batches; the memory for whole parameters and, with more than one micro-batch, whole fp32
-gradients does. Both keep the same fp32 shards, optimizer state and checkpoints.
+gradients does. "zero1", ZAYA1's layout: the whole parameters are kept across steps, every rank holding the
+model as in plain data parallelism, with the optimizer state and Newton-Schulz sharded; once per step the
+gradients are reduced (a reduce-scatter: each rank's optimizer needs only the sum of its shard) and, after
+the update, the parameters gathered again (`refresh`). The same bytes as ZeRO-2, but the gathering waits for
+the update where ZeRO-2's overlaps the next forward. All modes keep the same fp32 shards, optimizer state and
+checkpoints, so a run moves between them on resume.
 
 Placement: every parameter is split along its first dimension (`torch.chunk`'s rows), except a stack of
 experts [E, m, n] whose E does not divide evenly over the ranks while its rows m do: it is split along m, so
@@ -165,24 +170,38 @@ def gathers_per_micro_batch(unit: Unit, sharding: str, ranks: int) -> int:
 
 def collectives_per_step(sharding: str, micro_batches: int) -> int:
     """How many of its micro-batches gather each unit and reduce its gradients: every one under full
-    sharding, one under ZeRO-2."""
+    sharding, one (or one gathering after the update) under ZeRO-2 and ZeRO-1."""
     return micro_batches if sharding == "full" else 1
 
 
 def accumulate(model: nn.Module, sharding: str, last: bool) -> None:
-    """Before each micro-batch of a step: under ZeRO-2 only the `last` reduces the gradients and frees the
-    gathered parameters (FSDP2's `set_requires_gradient_sync`, `set_reshard_after_backward`; with HSDP the
-    replicas' all-reduce goes with the reduction); the others keep both. Nothing under full sharding."""
-    if sharding != "zero2":
+    """Before each micro-batch of a step: under ZeRO-2 and ZeRO-1 only the `last` reduces the gradients
+    (FSDP2's `set_requires_gradient_sync`; with HSDP the replicas' all-reduce goes with the reduction), and
+    under ZeRO-2 only the last frees the gathered parameters (`set_reshard_after_backward`), which ZeRO-1 keeps.
+    Nothing under full sharding."""
+    if sharding == "full":
         return
     model.set_requires_gradient_sync(last, recurse=True)
-    model.set_reshard_after_backward(last, recurse=True)
+    model.set_reshard_after_backward(last and sharding == "zero2", recurse=True)
 
 
-def release(model: nn.Module, sharding: str) -> None:
-    """After a forward without backward (an evaluation) under ZeRO-2: free the parameters it gathered, which
-    would otherwise stay gathered, and stale once a checkpoint is loaded into the shards."""
-    if sharding != "zero2":
+def refresh(model: nn.Module, sharding: str) -> None:
+    """After the optimizer updated the shards: under ZeRO-1, gather the whole parameters again (one all-gather
+    per unit and step)."""
+    if sharding != "zero1":
+        return
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for unit in units:
+        unit.reshard()
+    for unit in units:
+        unit.unshard()
+
+
+def release(model: nn.Module, sharding: str | None = None) -> None:
+    """Free the gathered whole parameters: after an evaluation's forward under ZeRO-2 (it would keep them to
+    the next backward), and under any mode (`sharding` None) after a checkpoint is loaded into the shards,
+    which leaves gathered copies stale."""
+    if sharding not in (None, "zero2"):
         return
     for module in model.modules():
         if isinstance(module, FSDPModule):

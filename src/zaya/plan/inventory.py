@@ -8,8 +8,7 @@ the model, its sharding or its optimizer split reaches the predictions without a
 from __future__ import annotations
 
 import functools
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +26,7 @@ class Param:
     shape: tuple[int, ...]
     muon: bool
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return _prod(self.shape)
 
@@ -52,13 +51,16 @@ class Unit:
     keep_fp32: bool
     reshard_after_forward: bool
     block: bool
+    _padded: dict[int, int] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
 
     def padded_shard_numel(self, ranks: int) -> int:
-        return sum(p.padded_shard_numel(ranks) for p in self.params)
+        if ranks not in self._padded:  # a layout search asks for every unit at every layout
+            self._padded[ranks] = sum(p.padded_shard_numel(ranks) for p in self.params)
+        return self._padded[ranks]
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: one instance per config (`inventory` caches them)
@@ -68,17 +70,17 @@ class Inventory:
     units: tuple[Unit, ...]
     replicated: tuple[Param, ...] = ()
 
-    @property
+    @functools.cached_property
     def params(self) -> tuple[Param, ...]:
         """The sharded parameters."""
         return tuple(p for unit in self.units for p in unit.params)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         """Elements of the sharded parameters."""
         return sum(unit.numel for unit in self.units)
 
-    @property
+    @functools.cached_property
     def replicated_numel(self) -> int:
         return sum(p.numel for p in self.replicated)
 
@@ -86,14 +88,21 @@ class Inventory:
         return tuple(unit for unit in self.units if unit.block)
 
 
+_INVENTORIES: dict[str, Inventory] = {}
+
+
 def inventory(config: ZayaConfig) -> Inventory:
-    """The `Inventory` of a model of `config` (cached: a layout search asks for it many times)."""
-    return _inventory(json.dumps(config.to_dict(), sort_keys=True))
+    """The `Inventory` of a model of `config` (cached by the config's fields: a layout search asks for it tens
+    of thousands of times)."""
+    key = repr(config)
+    if key not in _INVENTORIES:
+        if len(_INVENTORIES) >= 16:
+            _INVENTORIES.clear()
+        _INVENTORIES[key] = _inventory(config)
+    return _INVENTORIES[key]
 
 
-@functools.lru_cache(maxsize=16)
-def _inventory(key: str) -> Inventory:
-    config = ZayaConfig(**json.loads(key))
+def _inventory(config: ZayaConfig) -> Inventory:
     with torch.device("meta"):
         model = Zaya(config)
     muon = {id(p) for spec in split_parameters(model) if spec.algorithm == "muon" for p in spec.params}

@@ -21,7 +21,7 @@ class Layout:
     micro_batch_size: int
     activation_checkpointing: str
     compiled: bool = True  # blocks compiled (`train.compile`, on for accelerators): FSDP2's units differ
-    sharding: str = "full"  # `parallel.sharding`: "zero2" gathers and reduces once per step
+    sharding: str = "full"  # `parallel.sharding`: "zero2" and "zero1" gather and reduce once per step
 
     @property
     def shard_ranks(self) -> int:

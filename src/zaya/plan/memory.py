@@ -197,15 +197,15 @@ def _unit_bytes(unit, precision: str) -> int:
 def buffer_bytes(inv: Inventory, shard_ranks: int, precision: str, sharding: str = "full",
                  micro_batches: int = 1) -> int:
     """FSDP2's unsharded parameters and gradients in flight (see the module docstring). Under ZeRO-2 every unit
-    stays gathered for the whole step, and with more than one micro-batch every gradient is kept whole in fp32
-    until the last one reduces it."""
+    stays gathered for the whole step (under ZeRO-1 for good), and with more than one micro-batch every
+    gradient is kept whole in fp32 until the last one reduces it."""
     blocks = [u for u in inv.units if u.block]
     per_block = [_unit_bytes(u, precision) for u in blocks] or [0]
     grads = [u.numel * (FP32 + (2 if precision == "bf16" else FP32)) for u in blocks] or [0]
     root = sum(_unit_bytes(u, precision) for u in inv.units if not u.block)
-    whole = shard_ranks == 1 or sharding == "zero2"
+    whole = shard_ranks == 1 or sharding != "full"
     gathered = sum(per_block) if whole else 2 * max(per_block)
-    accumulated = inv.numel * FP32 if sharding == "zero2" and micro_batches > 1 else 0
+    accumulated = inv.numel * FP32 if sharding != "full" and micro_batches > 1 else 0
     return root + gathered + accumulated + 2 * max(grads)
 
 

@@ -32,7 +32,8 @@ each of its graphs costs one call. The trainer reads the device `HOST_READS_PER_
 Overlap, as the code does it: FSDP2 prefetches the next block's all-gather and reduce-scatters the previous
 block's gradients while a block computes, so FSDP and HSDP traffic is exposed only beyond the compute of the
 micro-batches that carry it (all of them under full sharding; under ZeRO-2 the gathering comes with the
-first micro-batch and the reduction with the last: one micro-batch's worth), plus one block's all-gather
+first micro-batch and the reduction with the last: one micro-batch's worth; ZeRO-1's gathering after the
+update is exposed whole), plus one block's all-gather
 before the first block and one reduce-scatter after the last; the ring
 kernel's KV transfers overlap the attention blocks, the all-gather kernel's do not; Muon's all-to-alls and
 the trainer's all-reduces are exposed. Bandwidth per mesh dimension: the scale-up links if every group of
@@ -102,6 +103,10 @@ class RooflineRates:
     gemm_efficiency: float
     memory_efficiency: float = 0.8
     op_overhead_s: float = 5e-6
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self.peak_flops.items())), self.bandwidth, self.gemm_efficiency,
+                     self.memory_efficiency, self.op_overhead_s))
 
     @property
     def memory_bandwidth(self) -> float:
@@ -296,28 +301,49 @@ def optimizer_seconds(c: ZayaConfig, rates: Rates, layout: Layout, ns_dtype: str
     from zaya.plan.inventory import inventory
 
     n = layout.shard_ranks
-    owners = n * layout.dp_replicate
     dtype = "bf16" if ns_dtype in ("bfloat16", "bf16") else "fp32"
-    seconds, muon_elements, adamw_elements = 0.0, 0, 0
     inv = inventory(c)
     # the replicated parameters (the routers) are updated whole on every rank: as if on one
-    for param, share in [(p, owners) for p in inv.params] + [(p, 1) for p in inv.replicated]:
+    sharded, replicated = (_optimizer_work(params, rates, dtype) for params in (inv.params, inv.replicated))
+    seconds = ns_steps * (sharded[0] / (n * layout.dp_replicate) + replicated[0])
+    if gemms_only:
+        return seconds
+    muon_elements, adamw_elements = sharded[1] / n + replicated[1], sharded[2] / n + replicated[2]
+    moved = muon_elements * MUON_BYTES + adamw_elements * ADAMW_BYTES + (muon_elements + adamw_elements) * CLIP_BYTES
+    return seconds + moved / rates.memory_bandwidth * factor
+
+
+_OPTIMIZER_WORK: dict[tuple, tuple] = {}
+
+
+def _optimizer_work(params, rates: Rates, dtype: str) -> tuple[float, int, int]:
+    """(seconds of one Newton-Schulz iteration step over all of `params`' matrices, Muon elements, AdamW
+    elements); remembered per parameter list and rates object, which a layout search asks about thousands
+    of times."""
+    try:
+        key = (id(params), hash(rates), dtype)
+    except TypeError:  # a measured table: by identity
+        key = (id(params), id(rates), dtype)
+    known = _OPTIMIZER_WORK.get(key)
+    if known is not None and known[0] is params and known[1] == rates:
+        return known[2]
+    seconds, muon_elements, adamw_elements = 0.0, 0, 0
+    for param in params:
         if param.muon:
             count = param.shape[0] if len(param.shape) == 3 else 1
             rows, cols = param.shape[-2:]
             k, m = min(rows, cols), max(rows, cols)
             # per step: X X^T [k, m] x [m, k], A^2 [k, k] x [k, k], (bA + cA^2) X [k, k] x [k, m]
-            per_step = 2.0 * k * k * m / rates.gemm_rate("dense", k, k, m, 1, dtype) + \
-                2.0 * k ** 3 / rates.gemm_rate("dense", k, k, k, 1, dtype) + \
-                2.0 * k * k * m / rates.gemm_rate("dense", k, m, k, 1, dtype)
-            seconds += count * ns_steps * per_step / share
-            muon_elements += param.numel / (1 if share == 1 else n)  # this rank's shard, or all of it
+            seconds += count * (2.0 * k * k * m / rates.gemm_rate("dense", k, k, m, 1, dtype)
+                                + 2.0 * k ** 3 / rates.gemm_rate("dense", k, k, k, 1, dtype)
+                                + 2.0 * k * k * m / rates.gemm_rate("dense", k, m, k, 1, dtype))
+            muon_elements += param.numel
         else:
-            adamw_elements += param.numel / (1 if share == 1 else n)
-    if gemms_only:
-        return seconds
-    moved = muon_elements * MUON_BYTES + adamw_elements * ADAMW_BYTES + (muon_elements + adamw_elements) * CLIP_BYTES
-    return seconds + moved / rates.memory_bandwidth * factor
+            adamw_elements += param.numel
+    if len(_OPTIMIZER_WORK) > 64:
+        _OPTIMIZER_WORK.clear()
+    _OPTIMIZER_WORK[key] = (params, rates, (seconds, muon_elements, adamw_elements))
+    return seconds, muon_elements, adamw_elements
 
 
 def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro_batches: int, rates: Rates,
@@ -363,7 +389,9 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     block_compute = time.gemm + time.attention + time.elementwise
     edges = 2 * fsdp / max(1, 2 * L + 1)  # one block's gathering before the first, its reduction after the last
     carrying = block_compute * collectives_per_step(layout.sharding, micro_batches) / micro_batches
-    exposed = max(0.0, fsdp - carrying) + edges if fsdp else 0.0
+    # ZeRO-1 gathers after the update, with nothing to hide behind
+    after_update = seconds.get("fsdp_all_gather", 0.0) if layout.sharding == "zero1" else 0.0
+    exposed = max(0.0, fsdp - after_update - carrying) + after_update + edges if fsdp else 0.0
     cp = sum(v for k, v in seconds.items() if k.startswith("cp_"))
     exposed += cp if cp_kernel == "allgather" else max(0.0, cp - time.attention)
     exposed += sum(v for k, v in seconds.items() if k.startswith("muon_") or k in ("trainer", "replicated"))

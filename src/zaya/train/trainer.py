@@ -55,7 +55,7 @@ from zaya.optim.hybrid import build_optimizer, describe_param_groups
 from zaya.optim.schedule import set_lr_multiplier
 from zaya.parallel.comm import all_reduce
 from zaya.parallel.dtensor import clip_grad_norm_
-from zaya.parallel.fsdp import accumulate, parallelize, reduce_replicated_gradients, release
+from zaya.parallel.fsdp import accumulate, parallelize, reduce_replicated_gradients, refresh, release
 from zaya.parallel.materialize import materialize
 from zaya.parallel.mesh import ParallelContext, init_parallel
 from zaya.resilience.findings import Finding
@@ -165,6 +165,7 @@ class Trainer:
         step = self.saved_step = self.progress.step
         self.hooks("checkpoint_save", step)
         self.curriculum.keep_loader_state(self.progress)
+        release(self.model)  # the shards are what is saved, and what the optimizer's state is keyed by
         tensors, skeleton = capture(self.model, self.optimizer, self.controller.state)
         state = train_state(self.progress, self.stops.clock, skeleton, self.config.record)
         info = {"format": ckpt.FORMAT, "version": ckpt.VERSION, "model": self.config.model.to_dict(),
@@ -184,6 +185,7 @@ class Trainer:
         self.progress, self.stops.clock = read_state(saved["state"], Progress), read_state(saved["state"], Clock)
         restore(directory, self.model, self.optimizer, self.controller.state, saved["optimizer"],
                 process_group=self.parallel.control_group)
+        release(self.model)  # whole parameters a mode keeps gathered are the old ones now
         rng = directory / f"rng.rank{self.launch.rank}.json"
         if rng.is_file():
             ckpt.set_rng_state(ckpt.read_json(rng))
@@ -266,7 +268,9 @@ class Trainer:
             (loss * (grad_factor * micro.shape[0] / rows)).backward()
             loss_sum += loss.detach().double() * micro.shape[0]
         reduce_replicated_gradients(self.model, self.parallel.fsdp_mesh, self.parallel.counter)
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        # the optimizer's: under ZeRO-1 the model's registered parameters are the whole gathered ones between
+        # steps, and the reduced gradients are on the shards
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = clip_grad_norm_(params, train.grad_clip, self._all_reduce)
         lr_scale = self.stops.schedule().multiplier(step) * phase.lr_scale
         set_lr_multiplier(self.optimizer, lr_scale)
@@ -279,6 +283,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)  # parameters and optimizer state stay as they were
         else:
             self.optimizer.step()
+            refresh(self.model, self.config.parallelize.sharding)
             self.signals.updated()
         self.optimizer_timer.stop()
         counts = torch.from_numpy(reduced["route_counts"]).round().long()
