@@ -30,7 +30,7 @@ from zaya.training import build_trainer
 SECTIONS = dict(
     train={"max_steps": 10, "micro_batch_size": 2, "global_batch_size": 12, "eval_every": 0},
     optim={"lr": 0.01, "ns_dtype": "float32"},
-    schedule={"warmup_steps": 2, "decay_fraction": 0.2, "total_steps": 12},
+    schedule={"warmup_steps": 2, "decay_fraction": 0.2, "total_steps": 16},
     checkpoint={"every": 2, "keep": 10},
 )
 LOSS_TOLERANCE = 1e-5
@@ -103,7 +103,7 @@ def _reference(root: Path, dataset: Path, steps: int, **sections) -> Path:
 @pytest.fixture(scope="module")
 def single(dataset, tmp_path_factory) -> Path:
     """The reference: the same run in one process."""
-    return _reference(tmp_path_factory.mktemp("single"), dataset, 10)
+    return _reference(tmp_path_factory.mktemp("single"), dataset, 14)
 
 
 def _shards_by_rank(directory: Path) -> dict[int, int]:
@@ -114,12 +114,15 @@ def _shards_by_rank(directory: Path) -> dict[int, int]:
 def test_a_checkpoint_chain_across_world_sizes_and_meshes_trains_like_one_process(dataset, tmp_path, single):
     config, run = _config(tmp_path, dataset), tmp_path / "run"
     _train(config, run, 1, "train.max_steps=2")
-    # full sharding, ZeRO-1 (whole parameters kept, gathered again after each update), ZeRO-2 (one gathering
-    # and one reduction per step of 2 or 3 micro-batches) under HSDP, ZeRO-1 again
-    chain = [(2, [], "full sharding; mesh dp_replicate 1 x dp_shard 2"),
+    # every sharding mode resumes in every other: full (the one rank) -> ZeRO-2 (one gathering and one reduction
+    # per step of 2 or 3 micro-batches) -> full -> ZeRO-1 (whole parameters kept, gathered again after each
+    # update) under HSDP -> ZeRO-2 -> ZeRO-1 -> full
+    chain = [(2, ["parallel.sharding=zero2"], "zero2 sharding; mesh dp_replicate 1 x dp_shard 2"),
+             (3, [], "full sharding; mesh dp_replicate 1 x dp_shard 3"),
+             (4, ["parallel.dp_replicate=2", "parallel.sharding=zero1"], "zero1 sharding; mesh dp_replicate 2"),
+             (2, ["parallel.sharding=zero2"], "zero2 sharding; mesh dp_replicate 1 x dp_shard 2"),
              (3, ["parallel.sharding=zero1"], "zero1 sharding; mesh dp_replicate 1 x dp_shard 3"),
-             (4, ["parallel.dp_replicate=2", "parallel.sharding=zero2"], "zero2 sharding; mesh dp_replicate 2"),
-             (2, ["parallel.sharding=zero1"], "zero1 sharding; mesh dp_replicate 1 x dp_shard 2")]
+             (2, [], "full sharding; mesh dp_replicate 1 x dp_shard 2")]
     written = 1
     for index, (nproc, mesh, shape) in enumerate(chain):
         steps = 2 * (index + 2)
@@ -141,7 +144,7 @@ def test_a_checkpoint_chain_across_world_sizes_and_meshes_trains_like_one_proces
         assert len(metadata.state_dict_metadata[key].chunks) == 2, key
     shards = _shards_by_rank(run / "checkpoints" / "step_00000010")
     assert set(shards) == {0, 1} and min(shards.values()) > 0.4 * max(shards.values())
-    _assert_same_training(run, single, range(1, 11))
+    _assert_same_training(run, single, range(1, 15))
 
     from transformers import AutoModelForCausalLM
 
@@ -152,6 +155,17 @@ def test_a_checkpoint_chain_across_world_sizes_and_meshes_trains_like_one_proces
     ids = torch.tensor([[2, 17, 5, 99, 41, 3, 8]])
     with torch.no_grad():
         assert _relative(theirs(ids).logits, ours(ids)) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_zaya1s_zero1_layout_trains_like_one_process(dataset, tmp_path, single, nproc):
+    """Six steps of 2 or 3 micro-batches per rank, from the start: the whole parameters kept on every rank and
+    gathered again after each update, the optimizer state and Newton-Schulz sharded."""
+    config, run = _config(tmp_path, dataset), tmp_path / "run"
+    _train(config, run, nproc, "parallel.sharding=zero1", "train.max_steps=6")
+    assert f"zero1 sharding; mesh dp_replicate 1 x dp_shard {nproc}" in (run / "train.log").read_text()
+    _assert_same_training(run, single, range(1, 7))
 
 
 # 2 experts whose gate/up rows (96) split evenly over 3 ranks: those stacks are split along their rows
