@@ -42,17 +42,14 @@ def _muon_shapes(preset: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(p.shape) for spec in split_parameters(model) if spec.algorithm == "muon" for p in spec.params)
 
 
-def _muon_worker(rank: int, world: int, ns_dtype: str, nesterov: bool) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def _against_one_process(mesh, shards: int, hyper: dict) -> dict:
+    """Three steps of `_Holder`'s matrices sharded over `mesh` (split over its last dimension's `shards` ranks)
+    and in one process: what each step orthogonalised here, and whether the results are the same bits."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (world,))
     sharded, plain = _Holder(), _Holder()
-    fully_shard(sharded, mesh=mesh, shard_placement_fn=lambda p: Shard(shard_dim(tuple(p.shape), world)))
-    hyper = {**HYPER, "nesterov": nesterov, "ns_dtype": ns_dtype}
+    fully_shard(sharded, mesh=mesh, shard_placement_fn=lambda p: Shard(shard_dim(tuple(p.shape), shards)))
     reference, optimizer = Muon(plain.parameters(), **hyper), Muon(sharded.parameters(), **hyper)
     keys = []
     for step_grads in _grads(3):
@@ -67,8 +64,17 @@ def _muon_worker(rank: int, world: int, ns_dtype: str, nesterov: bool) -> dict:
              for a, b in zip(plain.parameters(), sharded.parameters(), strict=True)]
     errors = [((b.detach().full_tensor() - a.detach()).norm() / a.detach().norm()).item()
               for a, b in zip(plain.parameters(), sharded.parameters(), strict=True)]
-    placements = [p.placements[0].dim for p in sharded.parameters()]
+    placements = [p.placements[-1].dim for p in sharded.parameters()]
     return {"keys": keys, "exact": exact, "errors": errors, "placements": placements}
+
+
+def _muon_worker(rank: int, world: int, ns_dtype: str, nesterov: bool) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    return _against_one_process(init_device_mesh("cpu", (world,)), world,
+                                {**HYPER, "nesterov": nesterov, "ns_dtype": ns_dtype})
 
 
 @pytest.mark.slow
@@ -116,22 +122,7 @@ def _hsdp_worker(rank: int, world: int) -> dict:
     for param, grad in zip(model.parameters(), _grads(1, shapes)[0], strict=True):
         param.grad = distribute_tensor(grad, mesh, param.placements)
     optimizer.step()
-    micro_flops = optimizer.last_report.flops
-    sharded, plain = _Holder(), _Holder()
-    fully_shard(sharded, mesh=mesh, shard_placement_fn=lambda p: Shard(shard_dim(tuple(p.shape), world // 2)))
-    reference, optimizer = Muon(plain.parameters(), **hyper), Muon(sharded.parameters(), **hyper)
-    keys = []
-    for step_grads in _grads(3):
-        for param, grad in zip(plain.parameters(), step_grads, strict=True):
-            param.grad = grad.clone()
-        reference.step()
-        for param, grad in zip(sharded.parameters(), step_grads, strict=True):
-            param.grad = distribute_tensor(grad.clone(), mesh, param.placements)
-        optimizer.step()
-        keys.append(optimizer.last_report.keys)
-    exact = [torch.equal(b.detach().full_tensor(), a.detach())
-             for a, b in zip(plain.parameters(), sharded.parameters(), strict=True)]
-    return {"keys": keys, "exact": exact, "micro_flops": micro_flops}
+    return {**_against_one_process(mesh, world // 2, hyper), "micro_flops": optimizer.last_report.flops}
 
 
 @pytest.mark.slow
