@@ -47,6 +47,10 @@ def _worker(rank: int, world: int, preset: str) -> dict:
         torch.manual_seed(7)
         return Zaya(config)
 
+    with torch.device("meta"):  # FSDP2's and DTensor's code loaded and set up before anything is measured
+        warm = Zaya(zaya.get_preset("micro"))
+    materialize(parallelize(warm, context.fsdp_mesh, ParallelizeConfig()), torch.device("cpu"), seed=7)
+    del warm
     reference, whole_peak = _peak_bytes(whole)
     model, sharded_peak = _peak_bytes(sharded)
     expected = reference.state_dict()
@@ -62,12 +66,12 @@ def _worker(rank: int, world: int, preset: str) -> dict:
 def test_two_ranks_hold_one_processs_values_in_about_half_its_memory():
     for result in run_distributed(_worker, 2, "small", timeout=240):
         assert result["same"]
-        # one process holds the model once (434 MB of fp32); a rank its half, one whole tensor at a time (the
-        # largest, 34 MB) and FSDP2's structures (about 33 MB): 0.64-0.74 of one process's, by the resident
-        # memory of a rank process that ran other tests before; a rank that built the whole model would be
-        # above 1
+        # one process holds the model once (434 MB of fp32); a rank its half and one whole tensor at a time
+        # (the largest, 34 MB): 251 MB, 0.58 of it (measured 262-264 MB, 0.60-0.61); a rank that built the
+        # whole model would be above 1
         assert result["whole_peak"] >= 0.95 * result["bytes"], result
-        assert result["sharded_peak"] <= 0.8 * result["whole_peak"], result
+        assert result["sharded_peak"] <= 1.15 * (result["bytes"] / 2 + result["largest"]), result
+        assert result["sharded_peak"] <= 0.7 * result["whole_peak"], result
 
 
 def test_a_tensor_no_initializer_sets_is_refused(monkeypatch):
