@@ -52,7 +52,14 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     from zaya.optim.hybrid import build_optimizer
     from zaya.parallel.config import ParallelConfig, ParallelizeConfig
     from zaya.parallel.dtensor import clip_grad_norm_, local, local_bytes
-    from zaya.parallel.fsdp import accumulate, fsdp_volume, parallelize, reduce_replicated_gradients, refresh
+    from zaya.parallel.fsdp import (
+        accumulate,
+        fsdp_volume,
+        parallelize,
+        reduce_replicated_gradients,
+        refresh,
+        replicated_parameters,
+    )
     from zaya.parallel.launch import Launch
     from zaya.parallel.mesh import init_parallel
 
@@ -77,20 +84,22 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None], 1.0)
         forward_backward = context.counter.take()
         optimizer.step()
-        refresh(model, mode)  # ZeRO-1's gathering after the update
         muon = context.counter.take()
+        refresh(model, mode)  # ZeRO-1's gathering after the update, counted with the next step's FSDP bytes
         if step:  # the first step builds the optimizer state and the owner plan
             times.append(time.perf_counter() - started)
             sent.append((forward_backward, muon))
-    params = list(model.parameters())
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # the shards, in any mode
+    routers = sum(p.numel() for p in replicated_parameters(model))
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     replicated = [t for t in state if local(t).numel() == t.numel() and t.dim() == 0]
     result = {
         "params": local_bytes(params), "grads": local_bytes([p.grad for p in params if p.grad is not None]),
         "state": local_bytes(state), "replicated": local_bytes(replicated),
         "times": times, "sent": sent,
+        # FSDP2's collectives and the routers' gradient all-reduce (they are whole on every rank)
         "theory": fsdp_volume(zaya.build_model(args.preset, seed=0), world, 1, args.precision, args.micro_batches,
-                              sharding=mode),
+                              sharding=mode) + 2 * routers * 4 * (world - 1) / world,
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     import gc
@@ -155,7 +164,8 @@ def report(args: argparse.Namespace) -> None:
           f"{'measured/theory':>16} {'Muon MB':>8} {'Muon/FSDP':>10} {'(FSDP+Muon)/FSDP':>17} {'s/step':>7}")
     for world, ranks in results.items():
         sharded = max(r["params"] + r["grads"] + r["state"] - r["replicated"] for r in ranks)
-        fsdp = statistics.mean(sum(v for k, v in s[0].items() if k.startswith("fsdp_")) for r in ranks
+        fsdp = statistics.mean(sum(v for k, v in s[0].items() if k.startswith("fsdp_") or k == "replicated")
+                               for r in ranks
                                for s in r["sent"])
         muon = statistics.mean(s[1].get("muon_gather", 0) + s[1].get("muon_scatter", 0) for r in ranks
                                for s in r["sent"])
