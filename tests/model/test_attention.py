@@ -128,3 +128,17 @@ def test_kv_cache_holds_two_kv_heads_per_token_per_layer(make_model):
     assert per_token == model.config.kv_cache_values_per_token == 2 * 2 * 16
     assert layer.conv_state.shape == (1, model.config.conv_padding, model.config.conv_channels)
     assert layer.value_state.shape == (1, 1, model.config.key_latent // 2)
+
+
+def test_derived_weights_are_remembered_only_while_decoding(make_model):
+    attention = make_model("micro").blocks[0].attn
+    with torch.no_grad():  # an evaluation in training
+        before = attention.input_weight().clone()
+        # new values in the same storage with the same version count, as FSDP2 refills a gathered parameter
+        attention.q_proj.weight.data.mul_(2.0)
+        assert not torch.equal(attention.input_weight(), before)
+    with torch.inference_mode():  # decoding: built once, reused while the weights stay
+        first = attention.input_weight()
+        assert attention.input_weight() is first
+        attention.q_proj.weight.mul_(0.5)
+        assert not torch.equal(attention.input_weight(), first)

@@ -20,6 +20,7 @@ Per token t (x_t is the RMSNorm'd stream, j = h // g the KV head of query head h
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Protocol
 
 import torch
@@ -120,20 +121,23 @@ class CompressedConvAttention(nn.Module):
         self.conv1_bias = nn.Parameter(torch.zeros(C))
         self.temp = nn.Parameter(torch.full((self.num_kv_heads,), float(config.temp_init)))
         self.o_proj = nn.Linear(Q, D, bias=False)
-        self._memo: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self._memo: dict[str, tuple[tuple, tuple, torch.Tensor]] = {}
 
     # ---- derived weights ----------------------------------------------------------------------------
 
     def _remember(self, name: str, sources: tuple[torch.Tensor, ...], build) -> torch.Tensor:
-        """`build()`, reused across calls while no source tensor changed and no gradient is wanted (decoding)."""
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in sources)):
-            return build()  # a traced graph cannot key a memo on storage: it computes the result itself
+        """`build()`, reused while decoding (inference mode) across calls that see the same, unchanged source
+        tensors. Only there: in training and its evaluations FSDP2 frees and refills the parameters' storage,
+        and a parameter gathered anew can sit at the old address with the old version count (a stale hit once
+        gave an evaluation the weights of four steps before); a traced graph computes the result itself."""
+        if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+            return build()
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
         cached = self._memo.get(name)
-        if cached is None or cached[0] != key:
-            cached = (key, build())
+        if cached is None or cached[0] != key or any(ref() is not t for ref, t in zip(cached[1], sources, strict=True)):
+            cached = (key, tuple(weakref.ref(t) for t in sources), build())
             self._memo[name] = cached
-        return cached[1]
+        return cached[2]
 
     def input_weight(self) -> torch.Tensor:
         """[W_q; W_k; W_vcur; W_vdel]: all four input projections as one matmul."""
