@@ -198,7 +198,7 @@ def _print_generation(run: Callable[..., torch.Tensor], prompt: str | None, outp
 
 def _join_job(launch: Launch, device: torch.device) -> bool:
     """Make the job's default process group (gloo on the CPU, the device's backend otherwise) on the
-    restart-prefixed store, unless there is one already; returns whether it was made here."""
+    attempt's own store, unless there is one already; returns whether it was made here."""
     import torch.distributed as dist
 
     from zaya.device import distributed_backend

@@ -99,7 +99,7 @@ class TrainingJob:
         if supervision.heartbeat_dir is not None:
             listeners.append(Heartbeat(supervision.heartbeat_dir, launch.rank))
         if supervision.faults:  # test-only
-            faults = FaultInjector(supervision.faults, rank=launch.rank, attempt=launch.restart,
+            faults = FaultInjector(supervision.faults, rank=launch.rank, attempt=launch.attempt,
                                    run=supervision.run_attempt, line=supervision.fault_line)
             listeners.append(faults)
             scales.append(faults.loss_factor)

@@ -16,7 +16,7 @@ optimizer state are spread over all of them.
 Every group, the default one, each mesh dimension's and a separate gloo control group (checkpoint barriers
 and async saves, never queued behind training collectives), is made with the configured timeout, long
 enough that a network blip does not kill a long job (the supervisor's heartbeats catch real hangs much
-sooner), and lives under the restart-safe store of `zaya.parallel.launch`.
+sooner), and lives on the attempt's own store of `zaya.parallel.launch`.
 """
 
 from __future__ import annotations

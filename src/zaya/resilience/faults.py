@@ -16,7 +16,8 @@ own for it. Set `ZAYA_FAULTS` to a comma-separated list of `ACTION[=VALUE]@EVENT
     corrupt@committed:4             flip bytes in one tensor shard of checkpoint 4 right after its commit
     print@step:3                    print the line in `ZAYA_FAULT_LINE` on stderr (a fake kernel or NCCL line)
 
-Qualifiers: `rank` (one rank only), `attempt` (torchrun's restart count), `run` (the supervisor's restart count,
+Qualifiers: `rank` (one rank only), `attempt` (the job's attempt under torchrun,
+`Launch.attempt`: the same on every rank), `run` (the supervisor's restart count,
 `ZAYA_RUN_ATTEMPT`). Events: `step` (before an optimizer step), `checkpoint` (before a save starts),
 `checkpoint-written` (files written, not yet committed), `committed` (after the commit).
 """
@@ -52,7 +53,7 @@ class Fault:
     event: str
     step: int
     rank: int | None = None  # None: every rank
-    attempt: int | None = None  # torchrun's restart count; None: every attempt
+    attempt: int | None = None  # the job's attempt under torchrun; None: every attempt
     value: float = 0.0
     run: int | None = None  # the supervisor's restart count; None: every run
 
