@@ -1,8 +1,10 @@
 """The `zaya` command end to end: generate, convert, params, and one-line errors for bad input."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +179,13 @@ def test_a_run_config_loads_without_torch(tmp_path):
             "print(c.parallel.cp, c.model_config().hidden_size, 'torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.split() == ["2", "128", "False"], result.stdout + result.stderr
+
+
+def test_the_readme_python_snippet_runs(tmp_path, monkeypatch):
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    (snippet,) = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    assert namespace["logits"].shape == (1, 4, namespace["model"].config.vocab_size)
+    assert namespace["model"].embed.weight.dtype == torch.bfloat16 and (tmp_path / "out_dir").is_dir()

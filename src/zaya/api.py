@@ -18,11 +18,12 @@ from zaya.data.tokenizer import TOKENIZER_FILE
 from zaya.device import resolve_device
 from zaya.errors import ZayaError
 from zaya.infer.hf_files import present_hf_files, write_hf_files
-from zaya.infer.loading import LayoutChoice, load_model, resolve_model_dir
+from zaya.infer.loading import load_model
 from zaya.model.config import ZayaConfig
 from zaya.model.hf import native_config_json, save_hf_state
 from zaya.model.presets import get_preset
 from zaya.model.transformer import Zaya
+from zaya.weights import LayoutChoice, resolve_model_dir
 
 __all__ = ["build_model", "convert", "export_hf", "load_model"]
 

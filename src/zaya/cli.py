@@ -54,7 +54,7 @@ def params(model: str, as_json: bool) -> None:
 
 def _config_of_dir(path: Path):
     from zaya.checkpoint import read_checkpoint_config
-    from zaya.infer.loading import read_hf_config, resolve_model_dir
+    from zaya.weights import read_hf_config, resolve_model_dir
 
     if not path.exists():
         from zaya.model.presets import PRESETS
@@ -85,9 +85,14 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--prompt", default=None, help="Prompt text (needs a tokenizer.json).")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 5,17,3.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=0))
-@click.option("--greedy", is_flag=True, help="Pick the most likely token (the default without --temperature/--top-p).")
+@click.option("--greedy", is_flag=True,
+              help="Pick the most likely token (the default without --temperature, --top-p or --top-k).")
 @click.option("--temperature", type=float, default=None, help="Sample at this temperature.")
 @click.option("--top-p", type=float, default=None, help="Sample from the smallest set of tokens with this mass.")
+@click.option("--top-k", type=int, default=None, help="Sample from the k most likely tokens.")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="Divide the positive logits of tokens already in the text by this, multiply the negative ones "
+                   "(CTRL's penalty, as in transformers); with greedy decoding too.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling.")
 @click.option("--output", type=click.Choice(["text", "ids"]), default="text", show_default=True,
               help="'ids' prints only the generated ids, comma-separated, on one line.")
@@ -104,8 +109,8 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--shard-kernel", type=click.Choice(["tree", "ring"]), default="tree", show_default=True,
               help="How --shard-kv combines the shards' attention: two small all-reduces (tree), or each shard "
                    "passed around the ring of ranks (ring, the baseline).")
-def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature, top_p, seed, output, tokenizer,
-             device, dtype, stop_at_eos, compile_, shard_kv, shard_kernel) -> None:
+def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature, top_p, top_k, repetition_penalty,
+             seed, output, tokenizer, device, dtype, stop_at_eos, compile_, shard_kv, shard_kernel) -> None:
     """Continue a prompt with a model (with --shard-kv under torchrun: over a KV cache split across the ranks)."""
     import torch
 
@@ -113,24 +118,28 @@ def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature
     from zaya.device import rank_device, resolve_device
     from zaya.infer.generate import Sampling, check_prompt
     from zaya.infer.generate import generate as run_generate
-    from zaya.infer.loading import load_model, resolve_model_dir
+    from zaya.infer.loading import load_model
     from zaya.infer.static import CompiledDecoder
     from zaya.parallel.launch import Launch
+    from zaya.weights import resolve_model_dir
 
     # with --shard-kv every rank checks its input; bad input on any of them stops all of them, reported once
     launch = Launch.from_env(os.environ) if shard_kv else Launch()
     with launch.startup():
         if (prompt is None) == (prompt_ids is None):
             raise ZayaError("give exactly one of --prompt and --prompt-ids")
-        if greedy and (temperature is not None or top_p is not None):
-            raise ZayaError("--greedy cannot be combined with --temperature or --top-p")
+        sampled = temperature is not None or top_p is not None or top_k is not None
+        if greedy and sampled:
+            raise ZayaError("--greedy cannot be combined with --temperature, --top-p or --top-k")
         if shard_kv and compile_:
             raise ZayaError("--compile does not apply to --shard-kv")
         sampling = Sampling(
-            greedy=temperature is None and top_p is None,
+            greedy=not sampled,
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p,
             seed=seed,
+            top_k=0 if top_k is None else top_k,
+            repetition_penalty=repetition_penalty,
         )
         model_path, _ = resolve_model_dir(model_path)  # a run directory means its newest valid checkpoint
         tokenizer_path = tokenizer or find_tokenizer(model_path)

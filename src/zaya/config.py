@@ -19,6 +19,7 @@ this module loads no torch: the sections import none of their packages' implemen
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -141,6 +142,7 @@ def _apply_override(raw: dict, item: str, path: Path) -> None:
     if "=" not in item:
         raise ZayaError(f"--set {item!r}: expected key.path=value")
     key, text = item.split("=", 1)
+    _check_override_key(key.strip(), item)
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -161,6 +163,42 @@ def _apply_override(raw: dict, item: str, path: Path) -> None:
     node[parts[-1]] = value
 
 
+def _check_override_key(key: str, item: str) -> None:
+    """`--set` names one value of the run config: a key that exists (else the nearest one is suggested), and not a
+    whole table."""
+    parts = key.split(".")
+    hint: Any = RunConfig
+    for i, part in enumerate(parts):
+        if typing.get_origin(hint) is list:  # an entry of [[phases]]: its index is checked against the file
+            (hint,) = typing.get_args(hint)
+            continue
+        if hint is ModelSection:  # [model] takes the preset and any model field
+            names = {"preset": str, **{f.name: typing.Any for f in dataclasses.fields(ZayaConfig)}}
+        elif dataclasses.is_dataclass(hint):
+            hints = typing.get_type_hints(hint)
+            names = {f.name: hints[f.name] for f in dataclasses.fields(hint) if f.name != "source"}
+        else:
+            return  # inside a free-form table
+        where = ".".join(parts[: i + 1])
+        if part not in names:
+            if where in MOVED_KEYS:
+                raise ZayaError(f"--set {item}: key '{where}' moved to '{MOVED_KEYS[where]}'")
+            raise ZayaError(f"--set {item}: unknown key '{where}'{_nearest(part, names, '.'.join(parts[:i]))}")
+        hint = names[part]
+    if dataclasses.is_dataclass(hint):
+        first = next(f.name for f in dataclasses.fields(hint))
+        raise ZayaError(f"--set {item}: '{key}' is a table; set one of its keys, e.g. --set {key}.{first}=...")
+
+
+def _nearest(name: str, names, prefix: str) -> str:
+    """' (did you mean 'PREFIX.X'?)' for the known name nearest `name`, or the list of known names."""
+    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
+    dotted = f"{prefix}." if prefix else ""
+    if close:
+        return f" (did you mean '{dotted}{close[0]}'?)"
+    return f" (known: {', '.join(sorted(names))})"
+
+
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
@@ -174,7 +212,7 @@ def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
         if f"{prefix}{key}" in MOVED_KEYS:
             raise ZayaError(f"{source}: key '{prefix}{key}' moved to '{MOVED_KEYS[prefix + key]}'")
         if key not in fields:
-            raise ZayaError(f"{source}: unknown key '{prefix}{key}'")
+            raise ZayaError(f"{source}: unknown key '{prefix}{key}'{_nearest(key, fields, prefix.rstrip('.'))}")
     values = {key: _convert(hints[key], value, source, f"{prefix}{key}") for key, value in data.items()}
     try:
         return cls(**values)

@@ -7,7 +7,8 @@ checked on every rank, and the trainer built from it.
     trainer = job.trainer()                       # the ranks agree on the precision; the trainer is built
     trainer.run()
 
-What is resolved here, once, before anything is built: the device of this rank, the checkpoint to resume, the
+What is resolved here, once, before anything is built: the device of this rank, the checkpoint to resume (or the
+weights a fresh run starts from), the
 precision of `train.precision = "auto"` (the resumed run's recorded one, else measured on every rank and fp32 if
 any rank is slow in bf16), the run itself (`RunConfig.resolve`), and from the environment the supervisor's
 settings (heartbeats, incidents, policy, restart count, test-only faults), the job's clock, W&B's mode and the
@@ -35,13 +36,14 @@ from zaya.resilience.heartbeat import Heartbeat
 from zaya.resilience.policy import Policy
 from zaya.resilience.supervision import Supervision
 from zaya.train.hooks import Hooks
-from zaya.train.inputs import check_inputs, checkpoint_dir, newest_checkpoint, recorded_precision
+from zaya.train.inputs import check_inputs, checkpoint_dir, init_source, newest_checkpoint, recorded_precision
 from zaya.train.log import RunLog
 from zaya.train.run import ResolvedRun
 from zaya.train.setup import TrainerSetup
 from zaya.train.stops import time_origin
 from zaya.train.trainer import Trainer
 from zaya.train.wandb_sink import check_wandb
+from zaya.weights import WeightSource
 
 
 @dataclass
@@ -59,6 +61,8 @@ class TrainingJob:
     recorded: str | None  # the precision of the run resumed, if it says
     run: ResolvedRun
     allow_data_change: bool
+    init_from: WeightSource | None = None  # the weights a fresh run starts from
+    init_notes: tuple[str, ...] = ()
 
     @classmethod
     def check(cls, config: RunConfig, run_dir: Path, *, launch: Launch, environ: Mapping[str, str],
@@ -82,8 +86,9 @@ class TrainingJob:
         run = config.resolve(launch.world_size, precision, compiles_training(device))
         run.check_job()
         check_inputs(run, resume_from, allow_data_change)
+        init_from, notes = init_source(run, resume_from)
         return cls(config, Path(run_dir), launch, environ, device, supervision, policy, resume_from, recorded, run,
-                   allow_data_change)
+                   allow_data_change, init_from, tuple(notes))
 
     def trainer(self, **setup) -> Trainer:
         """The trainer, once every rank passed the start-up check: the ranks agree on a measured precision
@@ -106,6 +111,7 @@ class TrainingJob:
         table = default_table_path(run.precision, cache_dir(self.environ))
         trainer_setup = TrainerSetup(
             self.run_dir, launch, self.device, resume_from=self.resume_from, allow_data_change=self.allow_data_change,
+            init_from=self.init_from, init_notes=list(self.init_notes),
             peak_flops=peak_flops(self.device, torch.bfloat16 if run.precision == "bf16" else torch.float32),
             policy=self.policy, incidents_file=supervision.incidents_file, run_attempt=supervision.run_attempt,
             hooks=Hooks(listeners, scales), origin=time_origin(self.environ),

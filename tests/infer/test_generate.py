@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from zaya.errors import ZayaError
-from zaya.infer.generate import Sampling, generate, next_token
+from zaya.infer.generate import Sampling, distribution, generate, next_token
 
 
 def _greedy_without_cache(model, prompt, steps):
@@ -44,6 +44,38 @@ def test_top_p_samples_only_from_the_nucleus():
     assert seen == {0, 1}
 
 
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "penalty"), [
+    (0.7, 5, 0.9, 1.3), (1.3, 0, 0.6, 0.8), (1.0, 12, 1.0, 1.0), (0.5, 1, 1.0, 2.0),
+])
+def test_the_sampled_distribution_is_transformers(temperature, top_k, top_p, penalty):
+    from transformers import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1)) * 3
+    history = torch.tensor([[1, 5, 7, 5], [3, 3, 39, 0], [10, 11, 12, 13]])
+    steps = [RepetitionPenaltyLogitsProcessor(penalty), TemperatureLogitsWarper(temperature)]
+    steps += [TopKLogitsWarper(top_k)] if top_k else []
+    steps += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    expected = torch.softmax(LogitsProcessorList(steps)(history, logits.clone()), dim=-1)
+    seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, history, True)
+    sampling = Sampling(greedy=False, temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=penalty)
+    torch.testing.assert_close(distribution(logits, sampling, seen), expected)
+
+
+def test_the_repetition_penalty_steers_greedy_decoding_away_from_what_it_saw(make_model):
+    model = make_model("micro")
+    prompt = torch.tensor([[5, 6, 7]])
+    free = generate(model, prompt, 12)
+    penalised = generate(model, prompt, 12, Sampling(repetition_penalty=50.0))
+    assert len(set(penalised[0].tolist())) == 12 and not set(penalised[0].tolist()) & {5, 6, 7}
+    assert len(set(free[0].tolist())) < 12  # a perturbed micro model repeats itself
+
+
 def test_generation_stops_once_every_row_produced_eos(make_model):
     model = make_model("micro")
     prompt = torch.tensor([[5, 6, 7]])
@@ -62,3 +94,7 @@ def test_bad_prompts_are_refused(make_model):
         generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
     with pytest.raises(ZayaError, match="temperature"):
         Sampling(greedy=False, temperature=0.0)
+    with pytest.raises(ZayaError, match="top-k"):
+        Sampling(greedy=False, top_k=-1)
+    with pytest.raises(ZayaError, match="repetition-penalty"):
+        Sampling(repetition_penalty=0.0)

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, ZayaForCausalLM
 from transformers import ZayaConfig as HFZayaConfig
 
 import zaya
+from modeling import legacy_config_json
 from zaya.infer.generate import generate
 from zaya.model.config import ZayaConfig
 from zaya.model.hf import save_hf_state
@@ -84,25 +85,6 @@ def test_round_trip_hf_to_zaya_to_hf_is_bit_exact(tmp_path):
         assert after[key].dtype == tensor.dtype, key
         assert torch.equal(after[key], tensor), key
     assert json.loads((tmp_path / "b" / "config.json").read_text())["dtype"] == "bfloat16"
-
-
-def legacy_config_json(config: ZayaConfig) -> dict:
-    """A ZAYA1-base style (Megatron, 80-layer) config.json for `config`."""
-    n = config.num_hidden_layers
-    return {
-        "architectures": ["ZayaForCausalLM"], "model_type": "zaya", "hidden_size": config.hidden_size,
-        "num_hidden_layers": 2 * n, "zaya_layers": ["a", config.num_experts] * n,
-        "num_attention_heads": 2 * config.num_attention_heads, "cca_num_q_heads": [config.num_attention_heads, 0] * n,
-        "num_query_groups_list": [config.num_key_value_heads, 0] * n, "num_key_value_heads": 2,
-        "kv_channels": config.head_dim, "ffn_hidden_size_list": [0, 2 * config.moe_intermediate_size] * n,
-        "zaya_mlp_expansion": [0, config.router_hidden_size] * n, "vocab_size": config.vocab_size,
-        "partial_rotary_factor": config.partial_rotary_factor, "rope_theta": config.rope_theta,
-        "norm_epsilon": config.rms_norm_eps, "max_position_embeddings": config.max_position_embeddings,
-        "cca_time0": config.cca_time0, "cca_time1": config.cca_time1, "activation_func": "swiglu",
-        "moe_router_topk": 1, "zaya_use_mod": True, "zaya_use_eda": True, "zaya_high_prec": True,
-        "residual_in_fp32": True, "scale_residual_merge": True, "clamp_temp": False, "bos_token_id": 2,
-        "eos_token_id": 1, "pad_token_id": 0,
-    }
 
 
 @pytest.mark.parametrize("name", ["micro", "four-kv-heads"])

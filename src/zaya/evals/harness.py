@@ -33,7 +33,8 @@ from zaya.device import device_present
 from zaya.errors import ZayaError
 from zaya.infer.generate import Sampling, check_prompt, next_token
 from zaya.infer.hf_files import SpecialTokens, special_tokens_of
-from zaya.infer.loading import load_model, resolve_model_dir
+from zaya.infer.loading import load_model
+from zaya.weights import resolve_model_dir
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 8

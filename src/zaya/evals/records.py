@@ -21,8 +21,8 @@ from pathlib import Path
 
 from zaya import checkpoint
 from zaya.errors import ZayaError
-from zaya.infer.loading import model_dir_kind, resolve_model_dir
 from zaya.run_dir import CHECKPOINTS_DIR, EVALS_FILE
+from zaya.weights import model_dir_kind, resolve_model_dir
 
 
 def run_dir_of(model_path: str | Path) -> Path | None:

@@ -4,26 +4,15 @@ run directory (its newest valid checkpoint), loaded into a `Zaya` without unpick
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from zaya import checkpoint
 from zaya.device import resolve_device
-from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
-from zaya.model.hf import (
-    TensorSource,
-    config_from_legacy,
-    config_from_native,
-    detect_layout,
-    load_hf_state,
-    read_config_json,
-)
+from zaya.model.hf import TensorSource, load_hf_state
 from zaya.model.transformer import Zaya
-from zaya.run_dir import CHECKPOINTS_DIR
-
-LayoutChoice = Literal["auto", "native", "legacy"]
+from zaya.weights import LayoutChoice, read_hf_config, resolve_model_dir
 
 
 def empty_model(config: ZayaConfig, device: torch.device, dtype: torch.dtype) -> Zaya:
@@ -34,41 +23,6 @@ def empty_model(config: ZayaConfig, device: torch.device, dtype: torch.dtype) ->
     model.to(dtype)
     model.rotary.set_base(config.rope_theta)  # a non-persistent buffer: recomputed, not loaded
     return model
-
-
-def model_dir_kind(path: Path) -> str:
-    """'checkpoint' (ours), 'run' (a run or checkpoints directory) or 'hf' (config.json + safetensors)."""
-    if not path.exists():
-        raise ZayaError(f"{path}: no such directory")
-    if not path.is_dir():
-        raise ZayaError(f"{path}: not a directory")
-    if checkpoint.is_checkpoint(path):
-        return "checkpoint"
-    if (path / "config.json").exists():
-        return "hf"
-    if (path / checkpoint.INFO_FILE).exists():
-        raise ZayaError(f"{path}: checkpoint has no {checkpoint.METADATA_FILE}")
-    if (path / CHECKPOINTS_DIR).is_dir() or (path / checkpoint.LATEST_FILE).exists() or any(path.glob("step_*")):
-        return "run"
-    raise ZayaError(f"{path}: neither a Hugging Face directory (config.json) nor a zaya checkpoint or run")
-
-
-def resolve_model_dir(path: str | Path) -> tuple[Path, str]:
-    """(directory to load, 'checkpoint' or 'hf'): a run directory resolves to its newest valid checkpoint."""
-    path = Path(path)
-    kind = model_dir_kind(path)
-    if kind == "run":
-        return checkpoint.resolve_checkpoint(path), "checkpoint"
-    return path, kind
-
-
-def read_hf_config(path: Path, layout: LayoutChoice = "auto") -> tuple[ZayaConfig, str]:
-    """The model config of an HF directory and its layout ('native' or 'legacy')."""
-    source = path / "config.json"
-    data = read_config_json(source)
-    chosen = detect_layout(data) if layout == "auto" else layout
-    config = config_from_legacy(data, source) if chosen == "legacy" else config_from_native(data, source)
-    return config, chosen
 
 
 def load_model(

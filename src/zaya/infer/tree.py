@@ -256,4 +256,4 @@ def generate_sharded(
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
     logits = decoder.prefill(prompt_ids)
     return decode_loop(logits, decoder.step, max_new_tokens, sampling, generator, eos_token_id=eos_token_id,
-                       on_token=on_token, agree=decoder.agree)
+                       on_token=on_token, agree=decoder.agree, prompt_ids=prompt_ids)

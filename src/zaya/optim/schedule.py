@@ -3,8 +3,9 @@
 `step` counts the optimizer steps already taken (0 before the first). Every schedule warms up linearly,
 m = (step + 1) / warmup_steps, so the first step already moves; after that:
 
-    wsd       1 until the last `decay_steps`, then down to `min_ratio` at step == total_steps:
-              t = (step - (total_steps - decay_steps)) / decay_steps in [0, 1]
+    wsd       1 until the last `decay_steps` steps, which decay and end at `min_ratio`: the last step of the
+              run (step == total_steps - 1) takes the final rate, t = 1:
+              t = (step + 1 - (total_steps - decay_steps)) / decay_steps in (0, 1]
               linear: 1 - t     cosine: (1 + cos(pi t)) / 2     1-sqrt: 1 - sqrt(t)
     cosine    (1 + cos(pi t)) / 2 with t = (step - warmup_steps) / (total_steps - warmup_steps)
     constant  1
@@ -54,10 +55,11 @@ def wsd(
     shape: str = "linear",
     min_ratio: float = 0.0,
 ) -> float:
-    """Warmup-stable-decay: warm up, hold 1, then decay over the last `decay_steps` steps to `min_ratio`."""
+    """Warmup-stable-decay: warm up, hold 1, then decay over the last `decay_steps` steps, the last of which
+    (step total_steps - 1) takes `min_ratio`."""
     decay_start = total_steps - decay_steps
     if decay_steps > 0 and step >= decay_start:
-        return min_ratio + (1.0 - min_ratio) * decay_shape((step - decay_start) / decay_steps, shape)
+        return min_ratio + (1.0 - min_ratio) * decay_shape((step + 1 - decay_start) / decay_steps, shape)
     return warmup(step, warmup_steps)
 
 

@@ -1,5 +1,5 @@
 """`zaya report RUN_DIR`: PNG plots of a run's metrics and an `index.html` that shows them with a summary at
-the top (zaya.report.summary: steps, tokens, time, losses, throughput, memory, evaluations), the incident
+the top (zaya.report.summary: steps, tokens, time, losses, throughput, memory, evaluations, warnings), the incident
 timeline of the run (the trainer's and the supervisor's `incidents.jsonl`), if it has one, and its config.
 Every number on the page is formatted for people (zaya.report.numbers).
 """
@@ -53,10 +53,10 @@ def build_report(run_dir: str | Path) -> Report:
     out = run_dir / REPORT_DIR
     out.mkdir(exist_ok=True)
     figures = write_plots(rows, out)
-    summary = summarize(rows, read_evals(run_dir))
+    incidents = read_all_incidents(run_dir)
+    summary = summarize(rows, read_evals(run_dir), incidents)
     config_path = run_dir / RUN_CONFIG_FILE
     config_text = config_path.read_text(encoding="utf-8") if config_path.is_file() else "{}"
-    incidents = read_all_incidents(run_dir)
     page = [
         "<!doctype html><html><head><meta charset='utf-8'><title>zaya run report</title>",
         f"<style>{STYLE}</style></head><body>",

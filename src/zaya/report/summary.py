@@ -1,5 +1,6 @@
 """The figures at the top of a run report: how long, how many tokens, how good, how fast, how much memory,
-and every evaluation `zaya eval` recorded in RUN_DIR/evals.jsonl.
+every evaluation `zaya eval` recorded in RUN_DIR/evals.jsonl, and the warnings the trainer raised about the
+run's health (its `incidents.jsonl`: experts collapsing, say).
 
 Times come from the rows of `metrics.jsonl`: `step_time` is one optimizer step, `time` the wall clock when
 its row was written. The run's wall time runs from the first step's start to the last row; the time in steps
@@ -51,6 +52,7 @@ class Summary:
     throughput_steps: tuple[int, int] | None = None  # the first and last step the medians cover
     peak_memory_bytes: list[int] = field(default_factory=list)  # per rank, the most over the run
     evals: list[EvalResult] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # the trainer's own warnings, in time order
 
     @property
     def outside_seconds(self) -> float | None:
@@ -124,9 +126,15 @@ def _task_notes(record: dict) -> str:
     return f" ({', '.join(notes)})" if notes else ""
 
 
-def summarize(rows: list[dict], evals: list[dict] = ()) -> Summary:
-    """The summary of a run from its metrics rows and its evals.jsonl records."""
+# what the trainer warns about without acting on it: the report lists them
+WARNING_SIGNALS = ("expert_collapse",)
+
+
+def summarize(rows: list[dict], evals: list[dict] = (), incidents: list[dict] = ()) -> Summary:
+    """The summary of a run from its metrics rows, its evals.jsonl records and its incident records."""
     summary = Summary(evals=eval_results(list(evals)))
+    summary.warnings = [str((record.get("evidence") or [""])[0]) for record in incidents
+                        if record.get("source") == "trainer" and record.get("signal") in WARNING_SIGNALS]
     if not rows:
         return summary
     train = [row for row in rows if _number(row.get("loss")) is not None]
@@ -225,6 +233,7 @@ def summary_rows(summary: Summary) -> list[tuple[str, str]]:
     rows.append(("median tokens/s", numbers.number(summary.median_tokens_per_s) + span))
     rows.append(("median MFU", numbers.percent(summary.median_mfu) + (span if summary.median_mfu is not None else "")))
     rows.append(("peak memory", _memory_text(summary.peak_memory_bytes)))
+    rows += [("warning", text) for text in summary.warnings]
     return rows
 
 

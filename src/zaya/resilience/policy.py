@@ -3,7 +3,8 @@
     [supervisor]                  poll_s, max_no_progress (K), max_restarts, kill_grace_s, stop_grace_s, kernel_log
     [heartbeat]                   factor, floor_s, first_timeout_s, init_timeout_s (zaya.resilience.heartbeat)
     [training]                    what the trainer watches itself: spike_ratio, spike_window, spike_min_history,
-                                  spike_skip_steps, max_skipped_steps, straggler_ratio, straggler_min_s
+                                  spike_skip_steps, max_skipped_steps, straggler_ratio, straggler_min_s,
+                                  collapse_ratio, collapse_steps
     [probes]                      root, gpu, nics, storage, ... (zaya.resilience.probe_config.ProbeConfig)
 
     [[rule]]
@@ -34,12 +35,12 @@ from zaya.resilience.probe_config import ProbeConfig
 
 ACTIONS = ("restart", "cordon_gpu", "cordon_node", "skip_step", "rollback", "stop", "log")
 TRAINING_ACTIONS = ("skip_step", "rollback")  # decided inside the trainer, for its own signals
-TRAINING_SIGNALS = ("nan", "loss_spike", "straggler")
+TRAINING_SIGNALS = ("nan", "loss_spike", "straggler", "expert_collapse")
 SIGNALS = (
     # root classes of `zaya diagnose`
     "gpu_xid", "gpu_ecc", "gpu_hang", "nic", "pcie", "oom", "nan", "storage", "python", "unknown",
     # the watchers' own
-    "hang", "gpu_lost", "nic_flap", "disk_low", "loss_spike", "straggler",
+    "hang", "gpu_lost", "nic_flap", "disk_low", "loss_spike", "straggler", "expert_collapse",
 )
 
 
@@ -68,6 +69,10 @@ class TrainingSettings:
     max_skipped_steps: int = 10  # non-finite steps in a row before the trainer gives up
     straggler_ratio: float = 1.5  # a rank's local time > ratio x the median rank's ...
     straggler_min_s: float = 0.05  # ... and by at least this much
+    # a MoE layer's busiest expert above this many times the mean expert load (at most the number of experts:
+    # a layer whose every token goes to one expert) ...
+    collapse_ratio: float = 3.0
+    collapse_steps: int = 10  # ... in this many steps in a row
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,7 @@ DEFAULT_RULES = (
     Rule(("gpu_ecc", "gpu_lost"), "cordon_gpu", subject="gpu:*"),
     Rule(("nic",), "cordon_node"),
     Rule(("nic_flap",), "cordon_node", min_count=5),
-    Rule(("nic_flap", "disk_low", "straggler"), "log"),
+    Rule(("nic_flap", "disk_low", "straggler", "expert_collapse"), "log"),
     Rule(("nan",), "skip_step"),
     Rule(("loss_spike",), "rollback"),
     Rule(("storage",), "stop"),  # a full or failing disk needs a person; restarting would only repeat it
@@ -142,6 +147,8 @@ class Policy:
         )
         if policy.supervisor.max_no_progress < 1:
             raise ZayaError(f"{where}: 'supervisor.max_no_progress' must be at least 1")
+        if policy.training.collapse_steps < 1 or not policy.training.collapse_ratio >= 1:
+            raise ZayaError(f"{where}: 'training.collapse_steps' and 'training.collapse_ratio' must be at least 1")
         return policy
 
 

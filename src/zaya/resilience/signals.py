@@ -7,6 +7,10 @@
                  of the last `spike_skip_steps` steps (the loader's skip ranges)
     straggler    a rank's own host time in a step (its data and host work before the first collective, where
                  nobody waits for anybody) above straggler_ratio x the median rank's, by straggler_min_s
+    expert collapse
+                 a MoE layer's busiest expert above collapse_ratio x the mean expert load (the step's route counts,
+                 over every rank) in collapse_steps steps in a row: reported once, again only after the layer
+                 has recovered
 """
 
 from __future__ import annotations
@@ -36,6 +40,40 @@ class SpikeDetector:
                                f"{loss / baseline:.2f}x the recent median")
         self.history.append(loss)
         return None
+
+
+class CollapseWatch:
+    """Counts, per MoE layer, the steps in a row whose busiest expert stands out (see the module docstring)."""
+
+    def __init__(self, settings: TrainingSettings):
+        self.settings = settings
+        self.in_row: list[int] = []  # per layer
+        self.reported: set[int] = set()  # layers reported and not recovered since
+
+    def check(self, step: int, imbalance: list[float]) -> Finding | None:
+        """An `expert_collapse` finding naming the layers that have just reached `collapse_steps`, if any."""
+        s = self.settings
+        if len(self.in_row) != len(imbalance):
+            self.in_row = [0] * len(imbalance)
+        newly = []
+        for layer, ratio in enumerate(imbalance):
+            if ratio > s.collapse_ratio:
+                self.in_row[layer] += 1
+            else:
+                self.in_row[layer] = 0
+                self.reported.discard(layer)
+            if self.in_row[layer] >= max(1, s.collapse_steps) and layer not in self.reported:
+                self.reported.add(layer)
+                newly.append(layer)
+        if not newly:
+            return None
+        worst = max(imbalance[layer] for layer in newly)
+        layers = ", ".join(str(layer) for layer in newly)
+        return Finding("expert_collapse", f"layer:{newly[0]}",
+                       f"step {step}: experts collapsing in MoE layer{'s' if len(newly) > 1 else ''} {layers}: the "
+                       f"busiest expert took more than {s.collapse_ratio:g} x the mean load in "
+                       f"{max(1, s.collapse_steps)} steps in a row (up to {worst:.2f} x now)",
+                       "raise balance.ki (the balancing gain) or lower the learning rate", count=len(newly))
 
 
 def straggler(step: int, host_times: list[float], settings: TrainingSettings) -> Finding | None:

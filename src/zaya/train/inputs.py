@@ -1,8 +1,10 @@
-"""What a run is checked against before anything is written: its datasets, and the checkpoint it resumes.
+"""What a run is checked against before anything is written: its datasets, the checkpoint it resumes, and the
+weights it starts from.
 
 Every rank runs these checks on its own, inside the job's start-up check (`zaya.parallel.launch`), so that bad
 input stops every rank at once with one line: a dataset that is missing or does not fit the model's vocabulary,
-a checkpoint of a format this version cannot resume, data that changed since the checkpoint.
+a checkpoint of a format this version cannot resume, data that changed since the checkpoint, weights to start
+from (`train.init_from`) that are missing or of another model's shape.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from zaya.errors import ZayaError
 from zaya.run_dir import CHECKPOINTS_DIR
 from zaya.train.config import CheckpointSection
 from zaya.train.run import ResolvedRun
+from zaya.weights import WeightSource
+
+INIT_KEY = "train.init_from"
 
 
 def checkpoint_dir(section: CheckpointSection, run_dir: Path) -> Path:
@@ -43,6 +48,18 @@ def recorded_precision(checkpoint: Path | None) -> str | None:
     return precision if precision in ("bf16", "fp32") else None
 
 
+def init_source(run: ResolvedRun, resume_from: Path | None) -> tuple[WeightSource | None, list[str]]:
+    """The weights a fresh run starts from (`train.init_from`), checked against the run's model, and a note for
+    each setting that differs without changing a shape; None for a run that resumes or starts at random."""
+    if not run.train.init_from or resume_from is not None:
+        return None, []
+    try:
+        source = WeightSource.open(run.train.init_from)
+    except ZayaError as exc:
+        raise ZayaError(f"{INIT_KEY}: {exc}") from None
+    return source, source.check_fits(run.model, INIT_KEY)
+
+
 def saved_phase(checkpoint: Path | None, phases: int) -> int:
     """The phase a checkpoint was taken in (0 for none), within the `phases` the config has now."""
     if checkpoint is None:
@@ -56,7 +73,11 @@ def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: 
     version and was trained on the same data (unless `allow_data_change`)."""
     fingerprints = {}
     for phase in run.phases:
-        datasets = [open_dataset(source.path) for source in phase.sources]  # clear errors if missing
+        for source in phase.sources:
+            if not Path(source.path).exists():
+                raise ZayaError(f"{source.path}: no such dataset directory (paths are relative to {Path.cwd()}); "
+                                f"build it with: zaya data build --input YOUR_TEXT_FILES_OR_DIRS --out {source.path}")
+        datasets = [open_dataset(source.path) for source in phase.sources]  # clear errors if anything else is wrong
         for dataset in datasets:
             dataset.check_vocab(run.model.vocab_size)
         fingerprints[phase.name] = [dataset.fingerprint for dataset in datasets]

@@ -1,5 +1,10 @@
 """The run's messages: rank 0 shows each (above the progress bar once there is one) and appends it, time-stamped,
-to RUN_DIR/train.log; every other rank appends its own to RUN_DIR/logs/rank-R.log."""
+to RUN_DIR/train.log; every other rank appends its own to RUN_DIR/logs/rank-R.log.
+
+A logged step's line (`step_line`) always goes to train.log, and to the screen only where there is no progress
+bar (the output is not a terminal: a batch job, `nohup`, a redirect), so that such a log shows the run's
+course without `metrics.jsonl`.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ class RunLog:
         self.rank = rank
         self.screen: Screen | None = None
 
-    def __call__(self, text: str) -> None:
+    def __call__(self, text: str, show: bool = True) -> None:
+        """Say `text` (rank 0: on the screen unless `show` is false, and in train.log)."""
         stamped = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n"
         if self.rank != 0:
             if self.run_dir.is_dir():
@@ -32,10 +38,34 @@ class RunLog:
                 with path.open("a", encoding="utf-8") as handle:
                     handle.write(stamped)
             return
-        if self.screen is not None:
+        if not show:
+            pass
+        elif self.screen is not None:
             self.screen.message(text)
         else:
             print(text, flush=True)
         if self.run_dir.is_dir():
             with (self.run_dir / LOG_FILE).open("a", encoding="utf-8") as handle:
                 handle.write(stamped)
+
+
+def step_line(row: dict, end_step: int, eta_seconds: float | None) -> str:
+    """One logged step in a line: step, loss (and held-out loss), learning rate, tokens/s, MFU, gradient norm,
+    the worst MoE layer's expert imbalance (busiest expert over the mean load) and the time left."""
+    parts = [f"step {row['step']:,}/{end_step:,}", f"loss {row['loss']:.4f}"]
+    if row.get("eval_loss") is not None:
+        parts.append(f"eval loss {row['eval_loss']:.4f}")
+    parts += [f"lr {row['lr']:.3g}", f"{row['tokens_per_s']:,.0f} tok/s", f"MFU {100 * row['mfu']:.1f}%",
+              f"grad norm {row['grad_norm']:.3g}"]
+    if row.get("expert_imbalance"):
+        parts.append(f"expert imbalance {max(row['expert_imbalance']):.2f}")
+    parts.append(f"ETA {_clock(eta_seconds)}")
+    return " | ".join(parts)
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds:
+        return "-"
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"

@@ -125,6 +125,11 @@ class MetricsLogger:
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.refresh()
 
+    @property
+    def shows_bar(self) -> bool:
+        """Whether a progress bar is on the screen (tqdm leaves it off where the output is not a terminal)."""
+        return self._bar is not None and not self._bar.disable
+
     def message(self, text: str) -> None:
         """A line of text above the progress bar (or on stderr without one)."""
         if not self.enabled:

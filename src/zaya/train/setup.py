@@ -1,7 +1,7 @@
-"""What the trainer is given besides the resolved run (`TrainerSetup`): where it writes and runs, what it resumes,
-the supervisor's policy, and what the outside installs in it (hooks, clocks, the plan's forecast, the report's
-plots). `zaya train` fills it in from the job and its environment (`zaya.training`); a test may replace any
-field."""
+"""What the trainer is given besides the resolved run (`TrainerSetup`): where it writes and runs, what it resumes
+or starts from, the supervisor's policy, and what the outside installs in it (hooks, clocks, the plan's
+forecast, the report's plots). `zaya train` fills it in from the job and its environment (`zaya.training`); a
+test may replace any field."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from zaya.parallel.launch import Launch
 from zaya.resilience.policy import Policy
 from zaya.train.hooks import Hooks
+from zaya.weights import WeightSource
 
 
 class Forecast(Protocol):
@@ -34,6 +35,8 @@ class TrainerSetup:
     launch: Launch = field(default_factory=Launch)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     resume_from: Path | None = None  # the newest valid checkpoint (`zaya.train.inputs.newest_checkpoint`)
+    init_from: WeightSource | None = None  # the weights a fresh run starts from (`zaya.train.inputs.init_source`)
+    init_notes: list[str] = field(default_factory=list)  # what differs between them and the run's model
     allow_data_change: bool = False  # resume even though the data (or its order) changed
     peak_flops: tuple[float, str] | None = None  # (FLOP/s of one device, where it came from); None: measured
     policy: Policy = field(default_factory=Policy)  # the supervisor's, for the training signals

@@ -3,6 +3,7 @@
     non-finite gradient norm   skip_step: drop the update, count the step   | rollback | anything else: stop
     loss spike                 rollback: to the newest checkpoint before it, its data skipped for good | log | stop
     straggler                  reported
+    expert collapse            log: a warning line and an incident | stop
 
 Every decision is one incident record, written by rank 0 (all ranks decide alike: the signals are global). The
 roll-back itself, a restore of the model and data, is the trainer's: `watch` asks for it.
@@ -16,7 +17,7 @@ from zaya.errors import ZayaError
 from zaya.resilience.findings import Finding
 from zaya.resilience.incidents import IncidentLog
 from zaya.resilience.policy import Policy
-from zaya.resilience.signals import SpikeDetector, straggler
+from zaya.resilience.signals import CollapseWatch, SpikeDetector, straggler
 
 
 class TrainingSignals:
@@ -26,14 +27,17 @@ class TrainingSignals:
                  say: Callable[[str], None]):
         self.policy, self.incidents, self.attempt, self.is_main, self.say = policy, incidents, attempt, is_main, say
         self.spikes = SpikeDetector(policy.training)
+        self.collapse = CollapseWatch(policy.training)
         self.windows: list[tuple[int, int]] = []  # consumed samples before and after each recent step
         self._skipped_in_row = 0  # non-finite steps in a row
         self._pending_rollback: Finding | None = None  # a non-finite step the policy rolls back
         self._straggler: str | None = None  # the subject of the rank reported as straggling
 
-    def record(self, finding: Finding, action: str, outcome: str, step: int) -> None:
-        """Record a decision (rank 0: every rank takes the same one) and say it in the log."""
-        self.say(f"incident: {finding.line} -> {action}: {outcome}")
+    def record(self, finding: Finding, action: str, outcome: str, step: int, quiet: bool = False) -> None:
+        """Record a decision (rank 0: every rank takes the same one) and say it in the log (unless `quiet`: said
+        already)."""
+        if not quiet:
+            self.say(f"incident: {finding.line} -> {action}: {outcome}")
         if self.is_main:
             self.incidents.append({"source": "trainer", "signal": finding.signal, "subject": finding.subject,
                                    "evidence": [finding.line], "detail": finding.detail, "action": action,
@@ -81,6 +85,14 @@ class TrainingSignals:
             # once when a rank starts to straggle, not at every step it goes on straggling
             self.record(slow, self.policy.decide(slow).action, "reported", step)
         self._straggler = slow.subject if slow is not None else None
+        collapse = self.collapse.check(step, row["expert_imbalance"]) if not row["skipped"] else None
+        if collapse is not None:
+            action = self.policy.decide(collapse).action
+            if action == "stop":
+                self.record(collapse, action, "stopping; last checkpoint kept", step)
+                raise ZayaError(f"{collapse.line}; stopping (policy), last checkpoint kept")
+            self.say(f"warning: {collapse.line}; {collapse.detail}")
+            self.record(collapse, action, "warned", step, quiet=True)
         if finding is None:
             return None
         action = self.policy.decide(finding).action if finding.signal == "loss_spike" else "rollback"

@@ -225,6 +225,16 @@ class StopRules:
             return "signal"
         return "max_time_s" if reduced["deadline"] else None
 
+    def eta_seconds(self, step: int) -> float | None:
+        """The time the run has left after `step`, by rank 0's clock: the rest of the time budget until its decay
+        is timed, else the steps left at the median recent step's time (None before a step was timed)."""
+        clock = self.clock
+        if self.train.time_budget_s and not clock.schedule_steps:
+            return max(0.0, self.train.time_budget_s - clock.train_seconds)
+        if not clock.step_times:
+            return None
+        return max(0, self.end_step() - step) * statistics.median(clock.step_times)
+
     def deadline(self) -> bool:
         """Must the run stop now to leave a checkpoint before train.max_time_s (by this process's clock)?"""
         clock = StepClock(self.clock.step_times, self.clock.save_seconds)

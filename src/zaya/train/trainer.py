@@ -61,11 +61,11 @@ from zaya.parallel.mesh import ParallelContext, init_parallel
 from zaya.resilience.findings import Finding
 from zaya.resilience.incidents import IncidentLog
 from zaya.resilience.signals import as_ranges
-from zaya.run_dir import INCIDENTS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
+from zaya.run_dir import INCIDENTS_FILE, INIT_FROM_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
 from zaya.train.balance import BalanceController, load_imbalance
 from zaya.train.checkpointing import Progress, capture, read_state, restore, train_state
 from zaya.train.inputs import checkpoint_dir, saved_phase
-from zaya.train.log import RunLog
+from zaya.train.log import RunLog, step_line
 from zaya.train.metrics import MetricsLogger
 from zaya.train.phases import Curriculum
 from zaya.train.run import ResolvedRun
@@ -74,6 +74,7 @@ from zaya.train.signals import TrainingSignals
 from zaya.train.stats import StepStats
 from zaya.train.stops import Clock, StopRules
 from zaya.train.wandb_sink import open_wandb
+from zaya.weights import WeightSource
 
 
 class Trainer:
@@ -100,6 +101,7 @@ class Trainer:
         self.parallel: ParallelContext | None = None
         self.metrics: MetricsLogger | None = None
         self.optimizer_timer: DeviceTimer | None = None  # the last step's optimizer, read when its row is logged
+        self._init_seconds = 0.0  # how long loading `train.init_from` took
 
     @property
     def stopped(self) -> str | None:
@@ -124,7 +126,9 @@ class Trainer:
             model = Zaya(self.config.model)  # no rank ever holds the whole model: its shards are made in place
         model = parallelize(model, self.parallel.fsdp_mesh, self.config.parallelize, self.parallel.counter)
         self.model = materialize(model, self.device, self.config.train.seed)
-        balance = self.config.balance
+        if self.resume_from is None and self.setup.init_from is not None:
+            self._initialise_from(self.setup.init_from)
+        balance = self.config.balance  # the controller starts from the biases the model has now
         self.controller = BalanceController([block.moe.router for block in model.blocks], balance.kp, balance.ki,
                                             balance.kd, balance.error)
         self.optimizer = build_optimizer(self.model, self.config.optim, comm=self.parallel.counter)
@@ -136,6 +140,27 @@ class Trainer:
             self.hooks("checkpoint_load", 0)
             self._restore(self.resume_from)
         self.curriculum.enter(self.progress, self.model, self.parallel, self.resume_from)
+
+    def _initialise_from(self, source: WeightSource) -> None:
+        """A fresh run's weights from `train.init_from`, on every rank into its shards."""
+        started = self.setup.timer()
+        release(self.model)
+        source.load_into(self.model, self.parallel.control_group)
+        release(self.model)  # whole parameters a mode keeps gathered are the random ones until gathered again
+        self._init_seconds = self.setup.timer() - started
+
+    def _record_init(self) -> None:
+        """Rank 0: say where a fresh run's weights came from, and record it with their fingerprint."""
+        source = self.setup.init_from
+        if self.resume_from is not None or source is None:
+            return
+        for note in self.setup.init_notes:
+            self.log(note)
+        record = {"path": str(source.path.resolve()), "kind": source.kind, "layout": source.layout,
+                  "step": source.step, "fingerprint": source.fingerprint()}
+        (self.run_dir / INIT_FROM_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
+        self.log(f"initialised from {source.describe()} in {self._init_seconds:.2f} s ({record['fingerprint'][:19]}"
+                 f"...; the optimizer and schedule start afresh)")
 
     def _open_metrics(self) -> None:
         """The metrics logger, with its W&B sink when `logging.wandb` asks for one: a W&B run rank 0 cannot open
@@ -369,6 +394,7 @@ class Trainer:
                     self.run_dir.mkdir(parents=True, exist_ok=True)
                     (self.run_dir / RUN_CONFIG_FILE).write_text(json.dumps(self.config.record, indent=2),
                                                                 encoding="utf-8")
+                    self._record_init()
                 self.manager.clean_uncommitted()
                 self._open_metrics()
                 try:
@@ -410,6 +436,8 @@ class Trainer:
             if step % logging.log_every == 0 or "eval_loss" in row or step == end or stop:
                 row["optimizer_time"] = self.optimizer_timer.seconds()  # read when logged: the wait is its own
                 self.metrics.log(row)
+                if self.launch.is_main:
+                    self.log(step_line(row, end, self.stops.eta_seconds(step)), show=not self.metrics.shows_bar)
             self.metrics.progress(step, {"loss": f"{row['loss']:.3f}", "tok/s": f"{row['tokens_per_s']:,.0f}"},
                                   seconds=self.stops.clock.train_seconds)
             measured = self.setup.forecast.observe(row) if self.setup.forecast is not None else None

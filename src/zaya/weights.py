@@ -1,0 +1,143 @@
+"""Where a model's weights come from: a Hugging Face directory (native or ZAYA1-base's legacy layout), one of our
+checkpoints, or a run directory (its newest valid checkpoint). `WeightSource` says which, with the model config it
+was saved with, checks that it fits another config, fingerprints its contents, and loads its tensors into a model
+however that model is sharded. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from zaya import checkpoint
+from zaya.errors import ZayaError
+from zaya.model.config import ZayaConfig
+from zaya.model.hf import (
+    config_from_legacy,
+    config_from_native,
+    detect_layout,
+    load_hf_state,
+    read_config_json,
+    safetensors_files,
+)
+from zaya.model.transformer import Zaya
+from zaya.run_dir import CHECKPOINTS_DIR
+
+LayoutChoice = Literal["auto", "native", "legacy"]
+
+# the fields that set the tensors' shapes: a source must agree on every one
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "num_experts", "moe_intermediate_size", "router_hidden_size", "cca_time0", "cca_time1")
+# the fields that change what the same tensors compute: a difference is allowed (a longer context's RoPE base,
+# say) and said
+FUNCTION_FIELDS = ("partial_rotary_factor", "rope_theta", "rms_norm_eps", "skip_route")
+_HASH_CHUNK = 1 << 22
+
+
+def model_dir_kind(path: Path) -> str:
+    """'checkpoint' (ours), 'run' (a run or checkpoints directory) or 'hf' (config.json + safetensors)."""
+    if not path.exists():
+        raise ZayaError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise ZayaError(f"{path}: not a directory")
+    if checkpoint.is_checkpoint(path):
+        return "checkpoint"
+    if (path / "config.json").exists():
+        return "hf"
+    if (path / checkpoint.INFO_FILE).exists():
+        raise ZayaError(f"{path}: checkpoint has no {checkpoint.METADATA_FILE}")
+    if (path / CHECKPOINTS_DIR).is_dir() or (path / checkpoint.LATEST_FILE).exists() or any(path.glob("step_*")):
+        return "run"
+    raise ZayaError(f"{path}: neither a Hugging Face directory (config.json) nor a zaya checkpoint or run")
+
+
+def resolve_model_dir(path: str | Path) -> tuple[Path, str]:
+    """(directory to load, 'checkpoint' or 'hf'): a run directory resolves to its newest valid checkpoint."""
+    path = Path(path)
+    kind = model_dir_kind(path)
+    if kind == "run":
+        return checkpoint.resolve_checkpoint(path), "checkpoint"
+    return path, kind
+
+
+def read_hf_config(path: Path, layout: LayoutChoice = "auto") -> tuple[ZayaConfig, str]:
+    """The model config of an HF directory and its layout ('native' or 'legacy')."""
+    source = path / "config.json"
+    data = read_config_json(source)
+    chosen = detect_layout(data) if layout == "auto" else layout
+    config = config_from_legacy(data, source) if chosen == "legacy" else config_from_native(data, source)
+    return config, chosen
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """A directory of weights, resolved: `path` is what is read (a run's newest valid checkpoint), `kind`
+    'checkpoint' or 'hf', `layout` an HF directory's ('native' or 'legacy'), `step` a training checkpoint's."""
+
+    path: Path
+    kind: str
+    layout: str
+    config: ZayaConfig
+    step: int | None = None
+
+    @classmethod
+    def open(cls, path: str | Path, layout: LayoutChoice = "auto") -> WeightSource:
+        directory, kind = resolve_model_dir(path)
+        if kind == "checkpoint":
+            config, info = checkpoint.read_checkpoint_config(directory)
+            step = info.get("step")
+            return cls(directory, kind, "", config, step if isinstance(step, int) else None)
+        config, chosen = read_hf_config(directory, layout)
+        return cls(directory, kind, chosen, config)
+
+    def describe(self) -> str:
+        if self.kind == "hf":
+            return f"{self.path} (Hugging Face, {self.layout} layout)"
+        return f"{self.path} (zaya checkpoint{f', step {self.step}' if self.step is not None else ''})"
+
+    def check_fits(self, config: ZayaConfig, key: str) -> list[str]:
+        """Refuse, in one line naming `key` and the fields, a source whose tensors differ in shape from those of a
+        model of `config`; returns a note for each field that differs without changing a shape."""
+        differ = [name for name in SHAPE_FIELDS if getattr(self.config, name) != getattr(config, name)]
+        if differ:
+            shown = ", ".join(f"model.{name} = {getattr(self.config, name)} there, {getattr(config, name)} here"
+                              for name in differ)
+            raise ZayaError(f"{key}: {self.path} holds a model of another shape ({shown})")
+        return [f"{key}: model.{name} is {getattr(self.config, name)} in {self.path}; the run uses its own, "
+                f"{getattr(config, name)}" for name in FUNCTION_FIELDS
+                if getattr(self.config, name) != getattr(config, name)]
+
+    def fingerprint(self) -> str:
+        """sha256 of what the weights are: a checkpoint's manifests (which hold every file's checksum), an HF
+        directory's config.json and safetensors files, in name order."""
+        digest = hashlib.sha256()
+        if self.kind == "checkpoint":
+            files = sorted(self.path.glob("manifest*.json"))
+        else:
+            files = [self.path / "config.json", *sorted(safetensors_files(self.path))]
+        for path in files:
+            digest.update(path.name.encode() + b"\0")
+            with path.open("rb") as handle:
+                while chunk := handle.read(_HASH_CHUNK):
+                    digest.update(chunk)
+        return f"sha256:{digest.hexdigest()}"
+
+    def load_into(self, model: Zaya, process_group=None) -> None:
+        """Fill `model`'s parameters and persistent buffers in place, whether they are whole tensors or FSDP2's
+        DTensor shards (a checkpoint is resharded by DCP; an HF directory is read whole by every rank, each
+        keeping its shard); every rank of the model's mesh calls it."""
+        if self.kind == "checkpoint":
+            state = get_model_state_dict(model)
+            checkpoint.load_tensors(self.path, {"model": state}, process_group=process_group)
+            set_model_state_dict(model, state)
+            return
+        with torch.device("meta"):
+            expected = {name: tensor.shape for name, tensor in Zaya(self.config).state_dict().items()}
+        full = load_hf_state(self.path, self.config, expected, self.layout)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+

@@ -1,0 +1,66 @@
+"""What a run tells the people who run it: a line per logged step in a batch job's log, and experts that collapse
+warned about, recorded as an incident and listed by the report."""
+
+import pytest
+
+from runs import write_config, zaya_command
+from zaya.config import load_config
+from zaya.report.report import build_report, read_all_incidents
+from zaya.resilience.policy import TrainingSettings
+from zaya.train.log import RunLog
+from zaya.train.metrics import read_metrics
+from zaya.training import build_trainer
+
+
+def test_a_batch_job_log_has_a_line_per_logged_step(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 4, "eval_every": 4},
+                          logging={"log_every": 2})
+    code, out, err = zaya_command(["train", config, "--run-dir", tmp_path / "run"])  # output not a terminal
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 2/4", "step 4/4"], out
+    for field in ("loss ", "lr ", " tok/s", "MFU ", "grad norm ", "expert imbalance ", "ETA "):
+        assert all(field in line for line in lines), (field, lines)
+    assert "eval loss " in lines[1] and "eval loss" not in lines[0]
+    assert lines[1].endswith("ETA 0:00:00")
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert all(line in log for line in lines)
+
+
+def test_a_line_kept_off_the_screen_still_goes_to_the_log(tmp_path, capsys):
+    log = RunLog(tmp_path, 0)
+    log("shown")
+    log("only logged", show=False)
+    assert capsys.readouterr().out == "shown\n"
+    assert (tmp_path / "train.log").read_text().splitlines()[-1].endswith(" only logged")
+
+
+def _first_collapse(rows: list[dict], settings: TrainingSettings) -> int | None:
+    """The step at which some layer has been above the ratio in `collapse_steps` logged steps in a row."""
+    layers = len(rows[0]["expert_imbalance"])
+    in_row = [0] * layers
+    for row in rows:
+        for layer, ratio in enumerate(row["expert_imbalance"]):
+            in_row[layer] = in_row[layer] + 1 if ratio > settings.collapse_ratio else 0
+        if max(in_row) >= settings.collapse_steps:
+            return row["step"]
+    return None
+
+
+@pytest.mark.slow
+def test_experts_that_collapse_are_warned_about_recorded_and_reported(dataset, tmp_path):
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[training]\ncollapse_steps = 3\ncollapse_ratio = 2.5\n")
+    settings = TrainingSettings(collapse_steps=3, collapse_ratio=2.5)
+    # no balancing and a learning rate far too high: the routers send their tokens to one expert
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 12, "eval_every": 0},
+                          optim={"lr": 0.1}, balance={"enabled": False})
+    run = tmp_path / "run"
+    build_trainer(load_config(config), run, environ={"ZAYA_POLICY": str(policy)}).run()
+    step = _first_collapse(read_metrics(run), settings)
+    assert step is not None, [row["expert_imbalance"] for row in read_metrics(run)]
+    incidents = [i for i in read_all_incidents(run) if i["signal"] == "expert_collapse"]
+    assert incidents and incidents[0]["step"] == step and incidents[0]["action"] == "log"
+    assert f"warning: step {step}: experts collapsing in MoE layer" in (run / "train.log").read_text()
+    summary = build_report(run).summary
+    assert summary.warnings and summary.warnings[0] == incidents[0]["evidence"][0]
