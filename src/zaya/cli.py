@@ -254,11 +254,13 @@ def convert(src: Path, dst: Path, layout: str) -> None:
 @click.option("--run-dir", type=click.Path(path_type=Path), default=None,
               help="Where the run writes everything (default: runs/<config name>). Resumes if it holds a checkpoint.")
 @click.option("--allow-data-change", is_flag=True, help="Resume even though the data fingerprint changed.")
+@click.option("--allow-tokenizer-change", is_flag=True,
+              help="Resume even though the data's tokenizer is not the one the run was trained with.")
 @click.option("--print-param-groups", is_flag=True, help="Print the optimizer's parameter split and exit.")
 @click.option("--print-config", is_flag=True,
               help="Print the resolved config (defaults and --set applied) as TOML and exit, writing nothing.")
 def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, allow_data_change: bool,
-          print_param_groups: bool, print_config: bool) -> None:
+          allow_tokenizer_change: bool, print_param_groups: bool, print_config: bool) -> None:
     """Train (or resume training) a model from a TOML run config; under torchrun, one process per device."""
     from zaya.config import load_config
     from zaya.parallel.launch import Launch
@@ -290,7 +292,7 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, a
     with launch.startup():
         config = load_config(config_path, list(overrides))
         job = TrainingJob.check(config, run_dir, launch=launch, environ=os.environ,
-                                allow_data_change=allow_data_change)
+                                allow_data_change=allow_data_change, allow_tokenizer_change=allow_tokenizer_change)
     trainer = job.trainer()
     last = trainer.run()
     step = trainer.progress.step

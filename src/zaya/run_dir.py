@@ -12,6 +12,7 @@ supervisor read.
 """
 
 RUN_CONFIG_FILE = "run_config.json"  # not config.json: that name marks a Hugging Face directory
+CONFIG_HISTORY_FILE = "config_history.jsonl"  # what each resume changed in the run's settings
 INIT_FROM_FILE = "init_from.json"  # the weights a run started from (train.init_from) and their fingerprint
 LOG_FILE = "train.log"
 RANK_LOG = "logs/rank-{}.log"

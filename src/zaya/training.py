@@ -62,11 +62,11 @@ class TrainingJob:
     run: ResolvedRun
     allow_data_change: bool
     init_from: WeightSource | None = None  # the weights a fresh run starts from
-    init_notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # what the checks found worth saying: the trainer says it at its start
 
     @classmethod
     def check(cls, config: RunConfig, run_dir: Path, *, launch: Launch, environ: Mapping[str, str],
-              allow_data_change: bool = False,
+              allow_data_change: bool = False, allow_tokenizer_change: bool = False,
               measure_bf16: Callable[[torch.device], bool] = fast_bf16_matmul) -> TrainingJob:
         """Resolve and check the run on this rank (inside the job's start-up check: a `ZayaError` here stops every
         rank). `measure_bf16` says whether bf16 matmuls are fast on the device (`zaya.device.fast_bf16_matmul`)."""
@@ -85,10 +85,10 @@ class TrainingJob:
             precision = recorded or auto_precision(device, measure_bf16)
         run = config.resolve(launch.world_size, precision, compiles_training(device))
         run.check_job()
-        check_inputs(run, resume_from, allow_data_change)
-        init_from, notes = init_source(run, resume_from)
+        notes = check_inputs(run, resume_from, allow_data_change, allow_tokenizer_change)
+        init_from, init_notes = init_source(run, resume_from)
         return cls(config, Path(run_dir), launch, environ, device, supervision, policy, resume_from, recorded, run,
-                   allow_data_change, init_from, tuple(notes))
+                   allow_data_change, init_from, tuple(notes + init_notes))
 
     def trainer(self, **setup) -> Trainer:
         """The trainer, once every rank passed the start-up check: the ranks agree on a measured precision
@@ -111,7 +111,7 @@ class TrainingJob:
         table = default_table_path(run.precision, cache_dir(self.environ))
         trainer_setup = TrainerSetup(
             self.run_dir, launch, self.device, resume_from=self.resume_from, allow_data_change=self.allow_data_change,
-            init_from=self.init_from, init_notes=list(self.init_notes),
+            init_from=self.init_from, notes=list(self.notes),
             peak_flops=peak_flops(self.device, torch.bfloat16 if run.precision == "bf16" else torch.float32),
             policy=self.policy, incidents_file=supervision.incidents_file, run_attempt=supervision.run_attempt,
             hooks=Hooks(listeners, scales), origin=time_origin(self.environ),

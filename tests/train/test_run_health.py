@@ -15,8 +15,11 @@ from zaya.training import build_trainer
 def test_a_batch_job_log_has_a_line_per_logged_step(dataset, tmp_path):
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 4, "eval_every": 4},
                           logging={"log_every": 2})
-    code, out, err = zaya_command(["train", config, "--run-dir", tmp_path / "run"])  # output not a terminal
+    # the output is not a terminal; the model has more embedding rows than the data has tokens
+    code, out, err = zaya_command(["train", config, "--run-dir", tmp_path / "run", "--set", "model.vocab_size=1024"])
     assert code == 0, err
+    assert "warning: model.vocab_size is 1024, but the data's tokenizer has 400 tokens" in out
+    assert "624 embedding rows will never be trained; set model.vocab_size = 512" in out
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in lines] == ["step 2/4", "step 4/4"], out
     for field in ("loss ", "lr ", " tok/s", "MFU ", "grad norm ", "expert imbalance ", "ETA "):

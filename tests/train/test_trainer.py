@@ -179,8 +179,27 @@ def test_a_changed_dataset_is_refused_unless_allowed(dataset, tmp_path):
     before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     _assert_refused(_train(changed, tmp_path / "run"), "--allow-data-change")
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
-    code, _, err = _train(changed, tmp_path / "run", "--allow-data-change")
+    # another corpus, another BPE: the same text would be other ids, which new data alone does not excuse
+    _assert_refused(_train(changed, tmp_path / "run", "--allow-data-change"), "another tokenizer",
+                    "--allow-tokenizer-change")
+    code, _, err = _train(changed, tmp_path / "run", "--allow-data-change", "--allow-tokenizer-change")
     assert code == 0, err
+
+
+def test_a_resume_with_changed_settings_says_what_changed_and_keeps_the_original(dataset, tmp_path):
+    run = tmp_path / "run"
+    build_trainer(load_config(write_config(tmp_path / "a.toml", dataset, train={"max_steps": 3})), run).run()
+    original = (run / "run_config.json").read_text()
+    changed = write_config(tmp_path / "b.toml", dataset, train={"max_steps": 4}, optim={"lr": 0.02})
+    build_trainer(load_config(changed), run).run()
+    assert (run / "run_config.json").read_text() == original
+    (entry,) = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert entry["step"] == 3 and entry["changes"]["optim.lr"] == [0.01, 0.02]
+    assert entry["changes"]["train.max_steps"] == [3, 4]
+    said = [line for line in (run / "train.log").read_text().splitlines() if "resumed with changed settings" in line]
+    assert len(said) == 1 and "optim.lr: 0.01 -> 0.02" in said[0] and "train.max_steps: 3 -> 4" in said[0]
+    build_trainer(load_config(changed), run).run()  # nothing changed this time: nothing appended
+    assert len((run / "config_history.jsonl").read_text().splitlines()) == 1
 
 
 def test_a_checkpoint_whose_metadata_would_run_code_is_refused_everywhere(dataset, tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from zaya import checkpoint as ckpt
 from zaya.data.dataset_reader import open_dataset
+from zaya.data.tokenizer import TOKENIZER_FILE
 from zaya.errors import ZayaError
 from zaya.run_dir import CHECKPOINTS_DIR
 from zaya.train.config import CheckpointSection
@@ -21,6 +22,7 @@ from zaya.train.run import ResolvedRun
 from zaya.weights import WeightSource
 
 INIT_KEY = "train.init_from"
+VOCAB_MULTIPLE = 128  # a vocabulary fitted to the data is rounded up to this: the LM head's GEMMs like it
 
 
 def checkpoint_dir(section: CheckpointSection, run_dir: Path) -> Path:
@@ -68,10 +70,13 @@ def saved_phase(checkpoint: Path | None, phases: int) -> int:
     return min(int(state.get("phase", 0)), phases - 1)
 
 
-def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: bool = False) -> None:
+def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: bool = False,
+                 allow_tokenizer_change: bool = False) -> list[str]:
     """Every phase's datasets exist and fit the model's vocabulary; a checkpoint to resume is of this format
-    version and was trained on the same data (unless `allow_data_change`)."""
-    fingerprints = {}
+    version, was trained on the same data (unless `allow_data_change`) and with the same tokenizer (unless
+    `allow_tokenizer_change`: other ids for the same text make the trained model a stranger to its data).
+    Returns warnings: a model vocabulary larger than the data's needs (rows that are never trained)."""
+    fingerprints, tokenizers, notes = {}, {}, []
     for phase in run.phases:
         for source in phase.sources:
             if not Path(source.path).exists():
@@ -80,9 +85,17 @@ def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: 
         datasets = [open_dataset(source.path) for source in phase.sources]  # clear errors if anything else is wrong
         for dataset in datasets:
             dataset.check_vocab(run.model.vocab_size)
+        largest = max(dataset.vocab_size for dataset in datasets)
+        fitted = -(-largest // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        if fitted < run.model.vocab_size and not notes:
+            notes.append(f"warning: model.vocab_size is {run.model.vocab_size}, but the data's tokenizer has "
+                         f"{largest} tokens ({datasets[0].path}): {run.model.vocab_size - largest} embedding rows "
+                         f"will never be trained; set model.vocab_size = {fitted} (the data's, rounded up to a "
+                         f"multiple of {VOCAB_MULTIPLE}) to save them")
         fingerprints[phase.name] = [dataset.fingerprint for dataset in datasets]
+        tokenizers[phase.name] = datasets[0].tokenizer_path
     if resume_from is None:
-        return
+        return notes
     version = ckpt.read_json(resume_from / ckpt.INFO_FILE).get("version")
     if version != ckpt.VERSION:
         raise ZayaError(f"{resume_from}: a checkpoint of format version {version}, whose optimizer state this "
@@ -94,3 +107,11 @@ def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: 
         if before is not None and before != now and not allow_data_change:
             raise ZayaError(f"{resume_from}: phase '{phase.name}' was trained on data {before[0][:12]}..., but the "
                             f"config now gives {now[0][:12]}...; pass --allow-data-change to continue anyway")
+    trained_with = resume_from / TOKENIZER_FILE
+    phase = run.phases[min(int(saved.get("phase", 0)), len(run.phases) - 1)]
+    if trained_with.is_file() and not allow_tokenizer_change:
+        now = tokenizers[phase.name]
+        if trained_with.read_bytes() != now.read_bytes():
+            raise ZayaError(f"{resume_from}: the run was trained with another tokenizer than {now} (the same "
+                            "text becomes other token ids); pass --allow-tokenizer-change to continue anyway")
+    return notes

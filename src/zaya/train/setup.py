@@ -36,7 +36,7 @@ class TrainerSetup:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     resume_from: Path | None = None  # the newest valid checkpoint (`zaya.train.inputs.newest_checkpoint`)
     init_from: WeightSource | None = None  # the weights a fresh run starts from (`zaya.train.inputs.init_source`)
-    init_notes: list[str] = field(default_factory=list)  # what differs between them and the run's model
+    notes: list[str] = field(default_factory=list)  # what the start-up checks found worth saying (rank 0 says it)
     allow_data_change: bool = False  # resume even though the data (or its order) changed
     peak_flops: tuple[float, str] | None = None  # (FLOP/s of one device, where it came from); None: measured
     policy: Policy = field(default_factory=Policy)  # the supervisor's, for the training signals

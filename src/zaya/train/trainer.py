@@ -61,9 +61,10 @@ from zaya.parallel.mesh import ParallelContext, init_parallel
 from zaya.resilience.findings import Finding
 from zaya.resilience.incidents import IncidentLog
 from zaya.resilience.signals import as_ranges
-from zaya.run_dir import INCIDENTS_FILE, INIT_FROM_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
+from zaya.run_dir import INCIDENTS_FILE, SAMPLES_FILE
 from zaya.train.balance import BalanceController, load_imbalance
 from zaya.train.checkpointing import Progress, capture, read_state, restore, train_state
+from zaya.train.history import record_init, record_start
 from zaya.train.inputs import checkpoint_dir, saved_phase
 from zaya.train.log import RunLog, step_line
 from zaya.train.metrics import MetricsLogger
@@ -102,6 +103,7 @@ class Trainer:
         self.metrics: MetricsLogger | None = None
         self.optimizer_timer: DeviceTimer | None = None  # the last step's optimizer, read when its row is logged
         self._init_seconds = 0.0  # how long loading `train.init_from` took
+        self._resumed_record: dict | None = None  # the resolved config the resumed checkpoint recorded
 
     @property
     def stopped(self) -> str | None:
@@ -149,19 +151,6 @@ class Trainer:
         release(self.model)  # whole parameters a mode keeps gathered are the random ones until gathered again
         self._init_seconds = self.setup.timer() - started
 
-    def _record_init(self) -> None:
-        """Rank 0: say where a fresh run's weights came from, and record it with their fingerprint."""
-        source = self.setup.init_from
-        if self.resume_from is not None or source is None:
-            return
-        for note in self.setup.init_notes:
-            self.log(note)
-        record = {"path": str(source.path.resolve()), "kind": source.kind, "layout": source.layout,
-                  "step": source.step, "fingerprint": source.fingerprint()}
-        (self.run_dir / INIT_FROM_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
-        self.log(f"initialised from {source.describe()} in {self._init_seconds:.2f} s ({record['fingerprint'][:19]}"
-                 f"...; the optimizer and schedule start afresh)")
-
     def _open_metrics(self) -> None:
         """The metrics logger, with its W&B sink when `logging.wandb` asks for one: a W&B run rank 0 cannot open
         stops every rank, not rank 0 alone."""
@@ -207,6 +196,7 @@ class Trainer:
     def _restore(self, directory: Path) -> None:
         info = ckpt.read_json(directory / ckpt.INFO_FILE)
         saved = ckpt.read_json(directory / ckpt.TRAIN_STATE_FILE)
+        self._resumed_record = saved.get("config") or {}
         self.progress, self.stops.clock = read_state(saved["state"], Progress), read_state(saved["state"], Clock)
         restore(directory, self.model, self.optimizer, self.controller.state, saved["optimizer"],
                 process_group=self.parallel.control_group)
@@ -392,9 +382,13 @@ class Trainer:
                 self._build()
                 if self.launch.is_main:
                     self.run_dir.mkdir(parents=True, exist_ok=True)
-                    (self.run_dir / RUN_CONFIG_FILE).write_text(json.dumps(self.config.record, indent=2),
-                                                                encoding="utf-8")
-                    self._record_init()
+                    for line in record_start(self.run_dir, self.config.record, self._resumed_record,
+                                             self.progress.step):
+                        self.log(line)
+                    for line in self.setup.notes:
+                        self.log(line)
+                    if self.resume_from is None and self.setup.init_from is not None:
+                        self.log(record_init(self.run_dir, self.setup.init_from, self._init_seconds))
                 self.manager.clean_uncommitted()
                 self._open_metrics()
                 try:
