@@ -5,6 +5,7 @@ ROCm builds of PyTorch expose AMD GPUs through the `torch.cuda` namespace, so "c
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -271,14 +272,20 @@ def measure_matmul_flops(
             return 2 * side**3 * runs / elapsed
 
 
-def fast_bf16_matmul(device: torch.device) -> bool:
-    """Whether bf16 matmuls on `device` run at least half as fast as fp32 ones: always on an accelerator; on a
-    CPU measured (about 0.2 s), since only CPUs with native bf16 instructions (AVX-512 BF16, AMX) have them."""
+def fast_bf16_matmul(device: torch.device,
+                     measure: Callable[[torch.device, torch.dtype], float] | None = None) -> bool:
+    """Whether bf16 matmuls on `device` run faster than fp32 ones: always on an accelerator; on a CPU measured
+    (about 0.3 s), since only CPUs with native bf16 instructions (AVX-512 BF16, AMX) have fast ones. The two are
+    timed in turns, three times each, and their medians compared, so that a machine whose load changes during
+    the measurement does not favour one of them."""
     if device.type == "cuda":
         return True
-    bf16 = measure_matmul_flops(device, torch.bfloat16, size=512, seconds=0.05)
-    fp32 = measure_matmul_flops(device, torch.float32, size=512, seconds=0.05)
-    return bf16 >= 0.5 * fp32
+    measure = measure or (lambda dev, dtype: measure_matmul_flops(dev, dtype, size=512, seconds=0.05))
+    bf16, fp32 = [], []
+    for _ in range(3):
+        bf16.append(measure(device, torch.bfloat16))
+        fp32.append(measure(device, torch.float32))
+    return statistics.median(bf16) > statistics.median(fp32)
 
 
 def auto_precision(device: torch.device, fast_bf16: Callable[[torch.device], bool] = fast_bf16_matmul) -> str:

@@ -112,7 +112,8 @@ class TrainingJob:
         trainer_setup = TrainerSetup(
             self.run_dir, launch, self.device, resume_from=self.resume_from, allow_data_change=self.allow_data_change,
             init_from=self.init_from, notes=list(self.notes),
-            peak_flops=peak_flops(self.device, torch.bfloat16 if run.precision == "bf16" else torch.float32),
+            peak_flops=peak_flops(self.device, torch.bfloat16 if run.precision == "bf16" else torch.float32,
+                                  cache_dir(self.environ)),
             policy=self.policy, incidents_file=supervision.incidents_file, run_attempt=supervision.run_attempt,
             hooks=Hooks(listeners, scales), origin=time_origin(self.environ),
             wandb_environ_mode=self.environ.get("WANDB_MODE", ""),

@@ -86,6 +86,17 @@ def test_peak_flops_measures_the_cpu():
     assert source == "measured" and value > 1e8
 
 
+def test_a_cpus_peak_is_measured_once_per_machine_and_kept(monkeypatch, tmp_path):
+    readings = iter([3e10, 5e10, 4e10, 1e10, 1e10, 1e10])  # the best of the first three, then a busy machine
+    monkeypatch.setattr("zaya.plan.devices.measure_matmul_flops", lambda *args, **kwargs: next(readings))
+    first, said = peak_flops(torch.device("cpu"), torch.float32, tmp_path)
+    assert first == 5e10 and "kept in" in said
+    again, said = peak_flops(torch.device("cpu"), torch.float32, tmp_path)
+    assert again == 5e10 and said.startswith("measured once on this machine")
+    other, _ = peak_flops(torch.device("cpu"), torch.bfloat16, tmp_path)  # another dtype: its own measurement
+    assert other == 1e10
+
+
 def _table() -> EfficiencyTable:
     return EfficiencyTable(
         device="cpu", device_label="Test CPU", dtype="fp32", peak_flops=1e11, memory_bandwidth=2e10,

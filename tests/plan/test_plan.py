@@ -184,6 +184,10 @@ def test_the_search_weighs_every_sharding_mode_and_prints_the_settings_of_the_fa
     assert {o.split("=")[0] for o in overrides} >= {"parallel.sharding", "parallel.dp_replicate", "parallel.dp_shard"}
     run = load_config(BASE, overrides).resolve(64)  # the line applies: planned as it is, it is the fastest
     planned = plan_run(run, get_device("h100"))
-    listed = out.split("layouts fit; the fastest:\n")[1].splitlines()[0]
+    listed = out.split("; the fastest:\n")[1].splitlines()[0]
     assert f"{planned.tokens_per_s_per_gpu:,.0f} tok/s/GPU" in listed
+    # the answer comes first, the config's own layout after it; numbers are numbers
+    assert out.index("layouts fit on 64 x h100") < out.index("the fastest, applied") < out.index("plan of ")
+    rejected = out.split("rejected:\n")[1].split("\n\n")[0].splitlines() if "rejected:" in out else []
+    assert all(" N " not in line and " like dp_replicate" in line for line in rejected), rejected
     assert {layout.sharding for layout in layouts(run, 8)} == {"full", "zero2", "zero1"}

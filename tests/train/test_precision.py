@@ -1,13 +1,16 @@
 """train.precision = "auto": the precision this device is fast in, decided once per run, the same on every rank,
 recorded in the run and its checkpoints, and kept by a resume whatever the device measures then."""
 
+import functools
 import json
 
 import pytest
+import torch
 
 from runs import write_config
 from zaya import checkpoint as ckpt
 from zaya.config import load_config
+from zaya.device import auto_precision, fast_bf16_matmul
 from zaya.training import build_trainer
 
 
@@ -51,3 +54,14 @@ def test_a_resumed_run_keeps_its_precision_when_the_measurement_differs(dataset,
                                                       train={"max_steps": 8, "precision": "bf16"})), run)
     assert explicit.config.precision == "bf16"
 
+
+
+@pytest.mark.parametrize(("bf16", "fp32", "chosen"), [
+    ([60.0, 61.0, 59.0], [100.0, 99.0, 101.0], "fp32"),  # bf16 at 0.6x fp32: the slower one is not chosen
+    ([150.0, 20.0, 149.0], [100.0, 100.0, 300.0], "bf16"),  # one disturbed reading each: the medians decide
+    ([100.0, 100.0, 100.0], [100.0, 100.0, 100.0], "fp32"),  # a tie keeps fp32, the exact one
+])
+def test_auto_precision_on_a_cpu_is_whichever_dtype_measured_faster(bf16, fp32, chosen):
+    readings = {torch.bfloat16: iter(bf16), torch.float32: iter(fp32)}
+    fast = functools.partial(fast_bf16_matmul, measure=lambda device, dtype: next(readings[dtype]))
+    assert auto_precision(torch.device("cpu"), fast) == chosen

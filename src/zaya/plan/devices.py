@@ -22,13 +22,17 @@ Every figure of a published device is the vendor's datasheet value (URLs in `sou
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from zaya.device import STARTUP_MEASURE_S, accelerator_name, measure_matmul_flops
+from zaya.device import STARTUP_MEASURE_S, accelerator_name, device_label, measure_matmul_flops
 from zaya.errors import ZayaError
 
 if TYPE_CHECKING:
@@ -222,15 +226,36 @@ def match_device(torch_device_name: str) -> DeviceSpec | None:
     return None
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(FLOP/s, source): the published dense peak of a known GPU in bf16 or fp16 (`match_device`), else a
-    short measurement on this device (`zaya.device.measure_matmul_flops`, for `STARTUP_MEASURE_S`)."""
+def peak_flops(device: torch.device, dtype: torch.dtype, cache: Path | None = None) -> tuple[float, str]:
+    """(FLOP/s, source): the published dense peak of a known GPU in bf16 or fp16 (`match_device`), else this
+    device's measured matmul rate (`zaya.device.measure_matmul_flops`, the best of three runs of
+    `STARTUP_MEASURE_S`), measured once and kept under `cache` (`zaya.plan.table.cache_dir`) for this device,
+    thread count, dtype and torch version, so that every run's MFU on one machine has the same denominator
+    (measured anew in each process it varied with the machine's load: 30% to 47% between identical runs)."""
     name = accelerator_name(device)
     if name is not None and dtype in (torch.bfloat16, torch.float16):
         spec = match_device(name)
         if spec is not None:
             return spec.peak_flops["bf16"], f"table ({name})"
-    return measure_matmul_flops(device, dtype, seconds=STARTUP_MEASURE_S), "measured"
+    dtype_name = str(dtype).removeprefix("torch.")
+    key = f"{device_label(device)} {torch.get_num_threads()} threads {dtype_name} torch {torch.__version__}"
+    path = None if cache is None else Path(cache) / "peak" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    if path is not None:
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            if saved.get("key") == key and float(saved["flops"]) > 0:
+                return float(saved["flops"]), f"measured once on this machine, {path}"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or unreadable: measure
+    flops = max(measure_matmul_flops(device, dtype, seconds=STARTUP_MEASURE_S) for _ in range(3))
+    if path is None:
+        return flops, "measured"
+    with contextlib.suppress(OSError):  # a read-only cache costs a measurement per run, nothing else
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "flops": flops}), encoding="utf-8")
+        os.replace(tmp, path)
+    return flops, f"measured, kept in {path}"
 
 
 def describe_devices(cache: Path) -> str:

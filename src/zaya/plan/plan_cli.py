@@ -141,16 +141,9 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
                                "reason": c.reason, "settings": c.layout.settings()} for c in ranked]
         click.echo(json.dumps(data, indent=2))
         return
-    click.echo(format_plan(result))
-    if not result.fits:
-        if smallest is None:
-            click.echo("\nno layout of up to 131072 GPUs fits")
-        else:
-            click.echo(f"\nsmallest layout that fits: {smallest.layout.gpus} GPU(s), {describe(smallest)}: "
-                       f"{smallest.plan.first.memory.total / GB:.1f} GB per GPU, {smallest.hours:,.0f} hours")
-    if search:
+    if search:  # the answer first: the fastest layouts and the line that applies the best; the config's own after
         fitting = [c for c in ranked if not c.reason]
-        click.echo(f"\n{len(fitting)} of {len(ranked)} layouts fit; the fastest:")
+        click.echo(f"{len(fitting)} of {len(ranked)} layouts fit on {gpus} x {device.name}; the fastest:")
         for candidate in fitting[:top]:
             first = candidate.plan.first
             click.echo(f"  {describe(candidate)}  {candidate.plan.tokens_per_s_per_gpu:>9,.0f} tok/s/GPU  "
@@ -164,12 +157,20 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
                 reasons.setdefault(_reason_kind(candidate.reason), []).append(candidate)
         if reasons:
             click.echo("rejected:")
-        for kind, members in reasons.items():
-            click.echo(f"  {len(members):>4} x {kind}; e.g. {describe(members[0])}: {members[0].reason}")
+        for members in reasons.values():
+            click.echo(f"  {len(members):>4} like {describe(members[0])}: {members[0].reason}")
+        click.echo("\nthe config's own layout:")
+    click.echo(format_plan(result))
+    if not result.fits:
+        if smallest is None:
+            click.echo("\nno layout of up to 131072 GPUs fits")
+        else:
+            click.echo(f"\nsmallest layout that fits: {smallest.layout.gpus} GPU(s), {describe(smallest)}: "
+                       f"{smallest.plan.first.memory.total / GB:.1f} GB per GPU, {smallest.hours:,.0f} hours")
 
 
 def _reason_kind(reason: str) -> str:
-    """A rejection reason without its numbers, to group like ones."""
+    """A rejection reason without its numbers: the key that groups like ones (never shown)."""
     import re
 
     return re.sub(r"\d[\d.,]*", "N", reason.split(";")[0])[:90]
