@@ -4,6 +4,7 @@ stops before a wall-clock limit; a time budget times the decay; the resumed run 
 The time rules run on a clock of the test's own (each step takes a fixed time of it), so that they are tested
 the same on any machine, however busy."""
 
+import itertools
 import json
 import os
 import signal
@@ -181,14 +182,44 @@ def test_a_time_budget_times_the_decay_and_ends_the_run(dataset, tmp_path):
     start, end = state["decay_start"], state["schedule_steps"]
     assert rows[-1]["step"] == end and 0 < start < end < 100_000
     lrs = {r["step"]: r["lr_multiplier"] for r in rows}
-    # a row's multiplier is the one its optimizer step (row step - 1) took: the decay's t = 0 is step `start`
-    assert lrs[start + 1] == 1.0 and all(lrs[s] < 1.0 for s in range(start + 2, end + 1))
-    assert lrs[end] == pytest.approx(1 - ((end - 1 - start) / (end - start)) ** 0.5, abs=1e-9)  # 1-sqrt shape
+    # a row's multiplier is the one its optimizer step (row step - 1) took: the decay's steps are start .. end - 1,
+    # step s at t = (s + 1 - start) / (end - start), the last at t = 1
+    assert lrs[start] == 1.0 and all(lrs[s] < 1.0 for s in range(start + 1, end + 1))
+    assert lrs[start + 3] == pytest.approx(1 - (3 / (end - start)) ** 0.5, abs=1e-9)  # the 1-sqrt shape
+    assert lrs[end] == 0.0
     # at 1 s per step the decay starts once 60% of the 40 s are trained and ends with the budget
     assert start == 25 and end == 41 and state["train_seconds"] == end - 1
     line = next(x for x in (run / "train.log").read_text().splitlines() if "time budget" in x)
     assert f"from step {start} to step {end}" in line
     json.dumps(state)  # the decision travels in the checkpoint
+
+
+class _LoadedClock(SteppedClock):
+    """Steps of `step_s` seconds until `from_step`, then of `later_s`: the machine got busy (or free)."""
+
+    def __init__(self, step_s: float, from_step: int, later_s: float):
+        super().__init__(step_s)
+        self.from_step, self.later_s = from_step, later_s
+
+    def listen(self, event: str, step: int, path: Path | None = None) -> None:
+        if event == "step-work":
+            self.now += self.later_s if step >= self.from_step else self.step_s
+
+
+@pytest.mark.parametrize("later_s", [2.0, 0.5], ids=["slower", "faster"])
+def test_a_time_budget_ends_with_its_time_when_the_load_changes_during_the_decay(dataset, tmp_path, later_s):
+    config = write_config(tmp_path / "run.toml", dataset,
+                          train={"max_steps": 100_000, "time_budget_s": 40.0, "eval_every": 0},
+                          schedule={"warmup_steps": 2, "decay_fraction": 0.4}, checkpoint={"every": 1000},
+                          logging={"log_every": 1})
+    clock = _LoadedClock(1.0, 30, later_s)  # the decay begins near step 25 and is planned at 1 s a step
+    run = tmp_path / "run"
+    build_trainer(load_config(config), run, clock=clock, timer=clock, hooks=Hooks([clock.listen])).run()
+    rows = read_metrics(run)
+    trained = sum(row["step_time"] for row in rows)
+    assert abs(trained - 40.0) <= 0.05 * 40.0, (trained, len(rows))  # at a fixed plan: 52 s slower, 34.5 faster
+    lrs = [row["lr_multiplier"] for row in rows]
+    assert all(a >= b for a, b in itertools.pairwise(lrs[2:])) and lrs[-1] == 0.0  # after the warmup
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ from zaya.train.stats import StepStats
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _RECENT = 10  # steps whose times estimate the next one's
+_REPLAN_RECENT = 3  # steps whose times re-plan a timed decay's end
 
 
 class StopRequest:
@@ -140,13 +141,20 @@ def timed_decay(step: int, trained_s: float, budget_s: float, decay_fraction: fl
         return None
     if trained_s < (1.0 - decay_fraction) * budget_s:
         return None
-    left, steps = budget_s - trained_s, 0
-    while step + steps < planned_decay_start:
+    return step + steps_within(budget_s - trained_s, sample_seconds, samples, batch_at, planned_decay_start - step)
+
+
+def steps_within(left_s: float, sample_seconds: float, samples: int, batch_at: Callable[[int], int],
+                 limit: int) -> int:
+    """How many steps (at least 1, at most `limit`) end nearest to `left_s` seconds from now, at `sample_seconds`
+    per sequence and the batch the ramp gives from `samples` consumed on."""
+    steps = 0
+    while steps < limit:
         batch = batch_at(samples)
-        if left < batch * sample_seconds / 2:  # the step that would end nearest the budget is the last
+        if left_s < batch * sample_seconds / 2:  # the step that would end nearest the budget is the last
             break
-        left, samples, steps = left - batch * sample_seconds, samples + batch, steps + 1
-    return step + max(1, steps)
+        left_s, samples, steps = left_s - batch * sample_seconds, samples + batch, steps + 1
+    return max(1, steps)
 
 
 @dataclass
@@ -211,7 +219,10 @@ class StopRules:
             clock.step_times = [*clock.step_times, previous][-_RECENT:]
             clock.sample_times = [*clock.sample_times, previous / self.last_batch][-_RECENT:]
         train, schedule = self.train, self.base_schedule
-        if train.time_budget_s and not clock.schedule_steps and clock.sample_times:
+        if train.time_budget_s and clock.schedule_steps and clock.sample_times:
+            # the last few steps' rate: a change of load shows in two steps, where the ten-step median lags
+            self._replan(step, samples, statistics.median(clock.sample_times[-_REPLAN_RECENT:]))
+        elif train.time_budget_s and clock.sample_times:
             planned = schedule.total_steps - schedule.decay_steps
             rate = statistics.median(clock.sample_times)
             total = timed_decay(step, clock.train_seconds, train.time_budget_s, schedule.decay_fraction,
@@ -220,7 +231,7 @@ class StopRules:
                 clock.decay_start, clock.schedule_steps = step, total
                 self.say(f"time budget: {clock.train_seconds:.0f} of {train.time_budget_s:.0f} s trained; the "
                          f"decay runs from step {step} to step {total} (the rest of the budget at "
-                         f"{rate * 1e3:.1f} ms per sequence, with the batch ramp)")
+                         f"{rate * 1e3:.1f} ms per sequence, with the batch ramp; re-planned as the rate changes)")
         if reduced["stop_signal"]:
             return "signal"
         return "max_time_s" if reduced["deadline"] else None
@@ -234,6 +245,25 @@ class StopRules:
         if not clock.step_times:
             return None
         return max(0, self.end_step() - step) * statistics.median(clock.step_times)
+
+    def _replan(self, step: int, samples: int, rate: float) -> None:
+        """While a timed decay runs: move its end to where the rest of the budget ends at the recent rate, so that
+        a machine that slows down or speeds up still ends the run with its budget. Never so far out that the
+        learning rate would rise again (the decay's progress t never goes back), never past train.max_steps."""
+        clock = self.clock
+        start, end = clock.decay_start, clock.schedule_steps
+        if step >= end:
+            return
+        left = self.train.time_budget_s - clock.train_seconds
+        planned = step + steps_within(left, rate, samples, self.ramp.at, self.train.max_steps - step)
+        if step > start:  # the next step's t, (step + 1 - start) / (end - start), may not fall below the last one's
+            planned = min(planned, start + (step + 1 - start) * (end - start) // (step - start))
+        planned = max(planned, step + 1)
+        if planned != end:
+            clock.schedule_steps = planned
+            if abs(planned - end) * 10 >= max(1, end - start):  # said when it moves by a tenth of the decay
+                self.say(f"time budget: the decay now ends at step {planned}, not {end} (the rest of the "
+                         f"budget, {max(0.0, left):.0f} s, at {rate * 1e3:.1f} ms per sequence)")
 
     def deadline(self) -> bool:
         """Must the run stop now to leave a checkpoint before train.max_time_s (by this process's clock)?"""
