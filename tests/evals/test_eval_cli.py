@@ -106,6 +106,17 @@ def test_without_lm_eval_the_error_says_how_to_install_it(cli, trained_run, monk
     _one_line_error(code, err, "pip install 'zaya-stack[eval]'")
 
 
+def test_a_task_whose_data_cannot_be_downloaded_is_one_line(cli, trained_run, in_tasks_dir, monkeypatch):
+    import lm_eval
+
+    def offline(**kwargs):  # what `datasets` raises for a Hub dataset offline or out of reach
+        raise ConnectionError("Couldn't reach 'Rowan/hellaswag' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", offline)
+    code, _, err = cli("eval", "--model", trained_run, "--tasks", "zaya_code_choice", "--include-path", TASKS)
+    _one_line_error(code, err, "Couldn't reach 'Rowan/hellaswag'", "must be downloaded first")
+
+
 def test_task_metrics_drop_stderr_and_keep_filters():
     results = {"results": {"t": {"alias": "t", "sample_len": 4, "acc,none": 0.5, "acc_stderr,none": 0.1,
                                  "exact_match,strict-match": 1.0, "exact_match_stderr,strict-match": "N/A",

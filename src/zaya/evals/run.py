@@ -102,6 +102,9 @@ def run_tasks(run: TaskRun, *, task_manager: Any = None) -> TaskRunResult:
                                           limit=run.limit, task_manager=manager, log_samples=False)
     except FileNotFoundError as exc:  # a task's data_files that do not exist (resolved against the cwd)
         raise ZayaError(f"lm_eval: {str(exc).splitlines()[0]}") from None
+    except ConnectionError as exc:  # a task's dataset on the Hub, offline or unreachable (datasets' own type)
+        raise ZayaError(f"lm_eval: {str(exc).splitlines()[0]}; the task's data must be downloaded first (it is "
+                        "cached under HF_DATASETS_CACHE), or given as local files with --include-path") from None
     results_file = run.output or _results_path(run.model, run_dir, step)
     results_file.parent.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
