@@ -1,6 +1,7 @@
 """The `zaya` command end to end: generate, convert, params, and one-line errors for bad input."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -98,6 +99,85 @@ def test_convert_both_directions_and_params(cli, hf_dir, tmp_path):
     code, out, _ = cli("params", "zaya1-base")
     assert code == 0 and "8,303,355,728" in out
     _assert_one_line_error(*cli("convert", path, tmp_path / "ckpt")[::2], "already exists")
+
+
+def test_convert_exports_in_the_dtype_and_shards_asked_for(cli, hf_dir, tmp_path):
+    path, model = hf_dir
+    assert cli("convert", path, tmp_path / "ckpt")[0] == 0
+    code, out, _ = cli("convert", tmp_path / "ckpt", tmp_path / "bf16", "--dtype", "bfloat16",
+                       "--max-shard-size", "400KB")
+    assert code == 0 and "zaya->hf" in out
+    export = tmp_path / "bf16"
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
+    shards = sorted(export.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and not (export / "model.safetensors").exists()
+    assert set(json.loads((export / "model.safetensors.index.json").read_text())["weight_map"].values()) == {
+        f.name for f in shards}
+    assert all(t.dtype == torch.bfloat16 for f in shards for t in load_file(f).values())
+    loaded = zaya.load_model(export, device="cpu")
+    assert torch.equal(loaded.embed.weight, model.embed.weight.to(torch.bfloat16))
+    code, _, _ = cli("convert", tmp_path / "ckpt", tmp_path / "fp32", "--dtype", "fp32", "--max-shard-size", "2GiB")
+    assert code == 0 and json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
+    assert (tmp_path / "fp32" / "model.safetensors").is_file()
+    _assert_one_line_error(*cli("convert", tmp_path / "ckpt", tmp_path / "x", "--max-shard-size", "5XB")[::2],
+                           "--max-shard-size", "5XB")
+    _assert_one_line_error(*cli("convert", path, tmp_path / "x", "--dtype", "bf16")[::2], "exports")
+    assert not (tmp_path / "x").exists()
+
+
+def _tree(directory):
+    return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def umask_022():
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
+def test_convert_overwrite_replaces_an_export_only_once_the_new_one_is_whole(cli, hf_dir, tmp_path, monkeypatch,
+                                                                            umask_022):
+    path, _ = hf_dir
+    assert cli("convert", path, tmp_path / "ckpt")[0] == 0
+    out = tmp_path / "out"
+    assert cli("convert", tmp_path / "ckpt", out)[0] == 0
+    _assert_one_line_error(*cli("convert", tmp_path / "ckpt", out)[::2], "already exists", "--overwrite")
+    before = _tree(out)
+
+    def fail(*args, **kwargs):
+        raise zaya.ZayaError("disk full")
+
+    monkeypatch.setattr("zaya.api.write_hf_files", fail)  # fails after the weights are written
+    _assert_one_line_error(*cli("convert", tmp_path / "ckpt", out, "--overwrite")[::2], "disk full")
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf", "out"], "no staging left behind"
+    monkeypatch.undo()
+    code, _, _ = cli("convert", tmp_path / "ckpt", out, "--overwrite", "--dtype", "bf16")
+    assert code == 0 and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf", "out"], "no staging left behind"
+    assert os.stat(out).st_mode & 0o777 == 0o755, "made in a private staging directory, but not private"
+    assert {os.stat(f).st_mode & 0o777 for f in out.iterdir()} == {0o644}
+    # a checkpoint is replaced alike (hf->zaya)
+    assert cli("convert", out, tmp_path / "ckpt", "--overwrite")[0] == 0
+    assert zaya.load_model(tmp_path / "ckpt", device="cpu").embed.weight.dtype == torch.bfloat16
+
+
+def test_convert_overwrite_refuses_what_is_not_an_earlier_export(cli, hf_dir, tmp_path):
+    path, _ = hf_dir
+    assert cli("convert", path, tmp_path / "ckpt")[0] == 0
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "cat.jpg").write_bytes(b"meow")
+    (other / "config.json").write_text("{}")
+    _assert_one_line_error(*cli("convert", tmp_path / "ckpt", other, "--overwrite")[::2], "photos", "neither")
+    (tmp_path / "notes.txt").write_text("keep")
+    _assert_one_line_error(*cli("convert", tmp_path / "ckpt", tmp_path / "notes.txt", "--overwrite")[::2],
+                           "not a directory")
+    _assert_one_line_error(*cli("convert", path, path, "--overwrite")[::2], "holds the source")
+    _assert_one_line_error(*cli("convert", tmp_path / "ckpt", tmp_path, "--overwrite")[::2], "holds the source")
+    assert (other / "cat.jpg").read_bytes() == b"meow" and (tmp_path / "notes.txt").read_text() == "keep"
+    assert (path / "model.safetensors").is_file() and (tmp_path / "ckpt" / "zaya.json").is_file()
 
 
 def _convert_error(cli, src, dst):

@@ -236,11 +236,22 @@ def _leave_job() -> None:
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--layout", type=click.Choice(["auto", "native", "legacy"]), default="auto", show_default=True,
               help="Key layout of an HF source: 'legacy' is ZAYA1-base's 80-layer layout.")
-def convert(src: Path, dst: Path, layout: str) -> None:
+@click.option("--dtype", type=click.Choice(["bf16", "bfloat16", "fp32", "float32"]), default=None,
+              help="Dtype of an export's weights (zaya->hf)  [default: as stored in SRC]")
+@click.option("--max-shard-size", metavar="SIZE", default=None,
+              help="Split an export's weights into files of at most SIZE (5GB, 500MB, 2GiB, bytes), with "
+                   "model.safetensors.index.json  [default: 5GB]")
+@click.option("--overwrite", is_flag=True,
+              help="Replace DST, an earlier export or checkpoint, once the new one is complete.")
+def convert(src: Path, dst: Path, layout: str, dtype: str | None, max_shard_size: str | None,
+            overwrite: bool) -> None:
     """Convert between a Hugging Face directory and a zaya checkpoint (the direction follows from SRC)."""
     from zaya.api import convert as run_convert
+    from zaya.model.safetensors_files import parse_size
 
-    direction = run_convert(src, dst, layout=layout)
+    shard_bytes = None if max_shard_size is None else parse_size(max_shard_size, "--max-shard-size")
+    direction = run_convert(src, dst, layout=layout, dtype=_dtype(dtype), max_shard_bytes=shard_bytes,
+                            overwrite=overwrite)
     click.echo(f"{direction}: wrote {dst}")
 
 

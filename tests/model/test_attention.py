@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import zaya
 from zaya.model.attention import CompressedConvAttention
 from zaya.model.layers import RotaryEmbedding
 
@@ -142,3 +143,16 @@ def test_derived_weights_are_remembered_only_while_decoding(make_model):
         assert attention.input_weight() is first
         attention.q_proj.weight.mul_(0.5)
         assert not torch.equal(attention.input_weight(), first)
+
+
+def test_the_rope_frequencies_stay_exact_fp32_through_casts_and_a_new_base(tmp_path):
+    model = zaya.build_model("micro", seed=0)
+    exact = RotaryEmbedding._inv_freq(model.rotary.rotary_dim, model.config.rope_theta)
+    model.to(torch.bfloat16)  # would round them to 8 bits of mantissa
+    assert model.rotary.inv_freq.dtype == torch.float32 and torch.equal(model.rotary.inv_freq, exact)
+    model.rotary.set_base(5e5)  # a long-context phase's base survives the next cast
+    model.to(torch.float32)
+    assert torch.equal(model.rotary.inv_freq, RotaryEmbedding._inv_freq(model.rotary.rotary_dim, 5e5))
+    zaya.export_hf(model.to(torch.bfloat16), tmp_path / "export")  # loaded back in bf16, then asked in fp32
+    loaded = zaya.load_model(tmp_path / "export", dtype=torch.float32)
+    assert torch.equal(loaded.rotary.inv_freq, exact)

@@ -1,5 +1,6 @@
 """Hugging Face interop: the key maps of the native (40-block) and legacy (80-layer) layouts, config.json in
-both schemas, and reading/writing safetensors directories (spec section 7).
+both schemas, and reading/writing safetensors directories, single-file or sharded (spec section 7;
+the files themselves: `zaya.model.safetensors_files`).
 
 Our parameter names are our own (`blocks.3.attn.q_proj.weight`); `native_key(name)` and `legacy_keys(name)`
 give the checkpoint keys, and the loaders check every expected key, every extra key and every shape.
@@ -14,10 +15,16 @@ from typing import Literal
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
+from zaya.model.safetensors_files import (
+    DEFAULT_MAX_SHARD_BYTES,
+    INDEX_FILE,
+    read_weight_map,
+    safetensors_files,
+    write_weights,
+)
 
 Layout = Literal["native", "legacy"]
 
@@ -309,7 +316,9 @@ def config_from_legacy(data: dict, source: Path) -> ZayaConfig:
 
 
 def native_config_json(config: ZayaConfig, dtype: torch.dtype) -> dict:
-    """The HF-native `config.json` for `config` (loads with `AutoModelForCausalLM.from_pretrained`)."""
+    """The HF-native `config.json` for `config` (loads with `AutoModelForCausalLM.from_pretrained`); `dtype` is
+    the one every tensor of the export is stored in, the fp32 balancing biases included, since transformers
+    loads a model in its config's dtype."""
     return {
         "architectures": ["ZayaForCausalLM"],
         "model_type": "zaya",
@@ -356,33 +365,13 @@ def native_config_json(config: ZayaConfig, dtype: torch.dtype) -> dict:
 # ---- safetensors --------------------------------------------------------------------------------------
 
 
-def safetensors_files(directory: Path) -> list[Path]:
-    """The weight files of an HF directory: the index's shards, or `model.safetensors`, or every *.safetensors."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        data = read_config_json(index)
-        weight_map = data.get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ZayaError(f"{index}: missing field 'weight_map'")
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-    elif (directory / "model.safetensors").is_file():
-        files = [directory / "model.safetensors"]
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ZayaError(f"{directory}: no *.safetensors weight files")
-    for file in files:
-        if not file.is_file():
-            raise ZayaError(f"{file}: weight file listed in the index is missing")
-    return files
-
-
 class TensorSource:
     """Lazy access to every tensor of an HF directory, remembering which file holds which key."""
 
     def __init__(self, directory: Path):
         self.location: dict[str, Path] = {}
         self._handles = {}
+        directory = Path(directory)
         for file in safetensors_files(directory):
             try:
                 handle = safe_open(str(file), framework="pt")
@@ -391,6 +380,10 @@ class TensorSource:
             self._handles[file] = handle
             for key in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
                 self.location[key] = file
+        # a stale index (a shard rewritten, a tensor moved) would otherwise load whichever copy is read last
+        for key, name in (read_weight_map(directory) or {}).items():
+            if self.location.get(key) != directory / name:
+                raise ZayaError(f"{directory / INDEX_FILE}: tensor '{key}' is not in {name}, as the index says")
 
     def keys(self) -> set[str]:
         return set(self.location)
@@ -456,17 +449,18 @@ def load_hf_state(
 
 
 def save_hf_state(
-    directory: Path, state: dict[str, torch.Tensor], config: ZayaConfig, layout: Layout = "native"
-) -> None:
-    """Write our state dict as HF safetensors (`model.safetensors`) in the given layout, plus `config.json`
-    for the native layout."""
+    directory: Path, state: dict[str, torch.Tensor], config: ZayaConfig, layout: Layout = "native", *,
+    dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """Write our state dict as HF safetensors in the given layout, every tensor in `dtype` (None: each its
+    own): `model.safetensors`, or above `max_shard_bytes` shards with `model.safetensors.index.json`. Returns
+    the files written; config.json is the caller's."""
     tensors = {}
     for name, tensor in state.items():
         if layout == "native":
-            tensors[native_key(name)] = tensor.detach().contiguous().cpu()
+            tensors[native_key(name)] = tensor.detach()
         else:
             keys = legacy_keys(name, config.num_hidden_layers, config.num_experts)
-            parts = tensor.unbind(0) if len(keys) > 1 else [tensor]
-            for key, part in zip(keys, parts, strict=True):
-                tensors[key] = part.detach().contiguous().cpu()
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+            parts = tensor.detach().unbind(0) if len(keys) > 1 else [tensor.detach()]
+            tensors.update(zip(keys, parts, strict=True))
+    return write_weights(Path(directory), tensors, dtype, max_shard_bytes)

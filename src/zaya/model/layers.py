@@ -78,6 +78,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", self._inv_freq(rotary_dim, base), persistent=False)
         self.register_buffer("partner", self._partner(head_dim, rotary_dim), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # `model.to(torch.bfloat16)` would round the frequencies, which the forward uses in fp32: computed anew in
+        # fp32 wherever the buffer goes (a meta tensor has nothing to compute)
+        super()._apply(fn, recurse)
+        if self.inv_freq.is_meta:
+            self.inv_freq.data = self.inv_freq.data.float()
+        else:
+            self.inv_freq.data = self._inv_freq(self.rotary_dim, self.base).to(self.inv_freq.device)
+        return self
+
     def initializers(self):
         """The tables, with what sets them (for a model built on the meta device: `Zaya.initializers`)."""
         inv_freq, partner = self._inv_freq(self.rotary_dim, self.base), self._partner(self.head_dim, self.rotary_dim)
@@ -100,6 +110,7 @@ class RotaryEmbedding(nn.Module):
     def set_base(self, base: float) -> None:
         """Change the RoPE base in place (context extension phases raise it, e.g. 1e4 -> 1e6). Also restores
         the partner index: both buffers are non-persistent, so a model materialised from meta needs them."""
+        self.base = base
         self.inv_freq.copy_(self._inv_freq(self.rotary_dim, base).to(self.inv_freq.device))
         self.partner.copy_(self._partner(self.head_dim, self.rotary_dim).to(self.partner.device))
 
