@@ -2,10 +2,9 @@
 `model-00001-of-0000N.safetensors` listed in `model.safetensors.index.json` (transformers' layout), written
 and read.
 
-Files are written here rather than by `safetensors.torch.save_file`, which writes a temporary file created
-with mode 0600 and renames it into place: the weights of an export would be private to its owner whatever
-the umask. `open` gives them the mode of any file the user creates (0666 & ~umask), and streaming one
-tensor at a time keeps no second copy of a shard in memory.
+Each file is written by `safetensors.torch.save_file`, which writes a temporary file created with mode 0600 and
+renames it into place: the weights of an export would be private to their owner whatever the umask, so the
+file then gets the mode of any file the user creates (0666 & ~umask).
 """
 
 from __future__ import annotations
@@ -13,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from decimal import Decimal
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from zaya.errors import ZayaError
 
@@ -26,11 +25,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # transformers' and the Hub's convention: a 5 GB shard still downloads and memory-maps comfortably
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
-_DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
@@ -55,28 +51,28 @@ def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
-    """Write `tensors` (cast to `dtype` if given, one at a time) as one safetensors file, fsynced."""
-    # the library's order: wider elements first, then by name, so every tensor starts aligned in a memory map
-    order = sorted(tensors, key=lambda key: (-(dtype or tensors[key].dtype).itemsize, key))
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for key in order:
-        tensor, size = tensors[key], _nbytes(tensors[key], dtype)
-        name = _DTYPE_NAMES.get(dtype or tensor.dtype)
-        if name is None:
+    """Write `tensors` (cast to `dtype` if given) as one safetensors file with the library, with the mode of any
+    file the user creates (0666 & ~umask) rather than the 0600 of the temporary file `save_file` renames into
+    place."""
+    for key, tensor in tensors.items():
+        if (dtype or tensor.dtype) not in _DTYPES:
             raise ZayaError(f"{path}: tensor '{key}' has dtype {tensor.dtype}, which safetensors cannot store")
-        header[key] = {"dtype": name, "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the format pads the header so that the data starts 8-aligned
-    with Path(path).open("wb") as handle:
-        handle.write(struct.pack("<Q", len(encoded)))
-        handle.write(encoded)
-        for key in order:
-            tensor = tensors[key].detach().to(device="cpu", dtype=dtype or tensors[key].dtype).contiguous()
-            handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    save_file({key: tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
+               for key, tensor in tensors.items()}, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux), else by setting it and back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
