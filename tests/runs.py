@@ -1,10 +1,13 @@
-"""Training runs for tests, importable from the pool's ranks too: a small real dataset (Python sources), a fast
-micro-model run config (`write_config`), and the `zaya` command in this process (`zaya_command`)."""
+"""Training runs for tests, importable from the pool's ranks too: a small real dataset (Python sources), chats
+for fine-tuning (`write_chats`, `build_chat_dataset`), a fast micro-model run config (`write_config`), and the
+`zaya` command in this process (`zaya_command`)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import random
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +25,39 @@ def build_code_dataset(root: Path, packages: list[str], val_fraction: float) -> 
             (corpus / f"{package}_{source.stem}.txt").write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
     out = root / "code"
     build_dataset(BuildOptions(inputs=(str(corpus),), out=out, vocab_size=400, val_fraction=val_fraction, workers=1))
+    return out
+
+
+# the assistant says only this word, which nothing else in the chats contains: its tokens are the reply's
+REPLY_WORD = "banana"
+_CHAT_WORDS = ("alpha", "gamma", "delta", "theta", "kappa", "sigma", "omega", "def", "return", "class", "import")
+
+
+def make_chats(count: int, seed: int = 0) -> list[list[dict]]:
+    """Chats of one to three exchanges, half with a system message; every reply is REPLY_WORD 1-4 times."""
+    rng = random.Random(seed)
+    chats = []
+    for i in range(count):
+        messages = [{"role": "system", "content": "answer in fruit"}] if i % 2 else []
+        for _ in range(rng.randint(1, 3)):
+            messages.append({"role": "user", "content": " ".join(rng.choice(_CHAT_WORDS) for _ in range(6))})
+            messages.append({"role": "assistant", "content": " ".join([REPLY_WORD] * rng.randint(1, 4))})
+        chats.append(messages)
+    return chats
+
+
+def write_chats(path: Path, chats: list[list[dict]]) -> Path:
+    """The chats as JSON lines, {"messages": [...]} each."""
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats), encoding="utf-8")
+    return path
+
+
+def build_chat_dataset(root: Path, count: int = 300, val_fraction: float = 0.1, **options) -> Path:
+    """`make_chats(count)` built with `--format chat` (the default template) and a 300-token BPE."""
+    chats = write_chats(root / "chats.jsonl", make_chats(count))
+    out = root / "chat"
+    build_dataset(BuildOptions(inputs=(str(chats),), out=out, vocab_size=300, val_fraction=val_fraction, workers=1,
+                               format="chat", **options))
     return out
 
 

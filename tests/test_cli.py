@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import zaya
+from zaya.data.chat import DEFAULT_CHAT_TEMPLATE
+from zaya.data.tokenizer import train_bpe
 from zaya.infer.generate import generate
 
 
@@ -84,6 +86,73 @@ def test_prompt_id_outside_the_vocabulary(cli, hf_dir):
     path, _ = hf_dir
     _assert_one_line_error(*cli("generate", "--model", path, "--prompt-ids", "3,512")[::2], "512", "vocabulary")
     _assert_one_line_error(*cli("generate", "--model", path, "--prompt-ids", "3,x")[::2], "--prompt-ids")
+
+
+# user turns end with another marker than replies: the prompt holds no end-of-turn token
+SEPARATED_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                      "{{ '<|im_end|>' if m['role'] == 'assistant' else '<|im_sep|>' }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _chat_model(directory, model, template: str) -> Tokenizer:
+    """`model` exported with a tokenizer whose special tokens include the markers, and `template` beside it."""
+    zaya.export_hf(model, directory)
+    tokenizer = train_bpe(["hello there, how are you?\n"] * 20, 300,
+                          extra_special_tokens=["<|im_start|>", "<|im_end|>", "<|im_sep|>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "chat_template.jinja").write_text(template)
+    return tokenizer
+
+
+def test_generate_chat_renders_the_prompt_with_the_template(cli, make_model, tmp_path):
+    model = make_model("micro")
+    tok = _chat_model(tmp_path / "m", model, DEFAULT_CHAT_TEMPLATE)
+    args = ["--output", "ids", "--max-new-tokens", "6", "--no-stop-at-eos"]
+    code, chat, err = cli("generate", "--model", tmp_path / "m", "--chat", "--prompt", "hello there", *args)
+    assert code == 0, err
+    by_hand = tok.encode("<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n").ids
+    assert tok.token_to_id("<|im_start|>") in by_hand  # the markers are single tokens
+    code, plain, _ = cli("generate", "--model", tmp_path / "m", "--prompt-ids", ",".join(map(str, by_hand)), *args)
+    assert code == 0 and chat == plain
+    assert chat.strip() == ",".join(map(str, generate(model, torch.tensor([by_hand]), 6)[0].tolist()))
+
+
+@torch.no_grad()
+def test_generate_chat_stops_at_the_end_of_turn_token(cli, make_model, tmp_path):
+    model = make_model("micro")
+    tok = _chat_model(tmp_path / "probe", model, SEPARATED_TEMPLATE)
+    end = tok.token_to_id("<|im_end|>")
+    prompt = tok.encode("<|im_start|>user\nhello<|im_sep|>\n<|im_start|>assistant\n").ids
+    assert end not in prompt
+    # make the model answer one token and then end its turn: the end token's (tied) embedding is turned towards
+    # the second step's hidden state, orthogonally to the first's, so only the second step picks it
+    first = model.hidden_states(torch.tensor([prompt]))[0, -1]
+    logits = model.logits(first)
+    token = int(logits.argmax())
+    assert token != end and float(logits.max()) > 0.1
+    second = model.hidden_states(torch.tensor([[*prompt, token]]))[0, -1]
+    toward = second - (second @ first) / (first @ first) * first
+    model.embed.weight[end] = 100 * toward / toward.norm()
+    _chat_model(tmp_path / "m", model, SEPARATED_TEMPLATE)
+    code, out, err = cli("generate", "--model", tmp_path / "m", "--chat", "--prompt", "hello", "--output", "ids",
+                         "--max-new-tokens", "8")
+    assert code == 0 and out.strip() == f"{token},{end}", err
+    code, out, _ = cli("generate", "--model", tmp_path / "m", "--chat", "--prompt", "hello", "--output", "ids",
+                       "--max-new-tokens", "8", "--no-stop-at-eos")
+    assert code == 0 and out.strip().split(",")[:2] == [str(token), str(end)] and len(out.split(",")) == 8
+    # text: the reply alone, without the prompt or the end-of-turn marker
+    code, out, _ = cli("generate", "--model", tmp_path / "m", "--chat", "--prompt", "hello", "--max-new-tokens", "8")
+    assert code == 0 and out == tok.decode([token]) + "\n"
+
+
+def test_generate_chat_needs_a_template_and_a_prompt(cli, hf_dir, tmp_path):
+    path, model = hf_dir
+    _chat_model(tmp_path / "m", model, DEFAULT_CHAT_TEMPLATE)
+    (tmp_path / "m" / "chat_template.jinja").unlink()
+    _assert_one_line_error(*cli("generate", "--model", tmp_path / "m", "--chat", "--prompt", "hi")[::2],
+                           "no chat template", "--format chat")
+    _assert_one_line_error(*cli("generate", "--model", path, "--chat", "--prompt-ids", "3")[::2],
+                           "--chat needs --prompt")
 
 
 def test_convert_both_directions_and_params(cli, hf_dir, tmp_path):

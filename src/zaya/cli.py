@@ -84,6 +84,8 @@ def _parse_ids(text: str) -> list[int]:
               help="An HF directory (config.json + safetensors) or a zaya checkpoint directory.")
 @click.option("--prompt", default=None, help="Prompt text (needs a tokenizer.json).")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 5,17,3.")
+@click.option("--chat", is_flag=True,
+              help="Send --prompt as a user message in the model's chat template and stop at its end-of-turn token.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=0))
 @click.option("--greedy", is_flag=True,
               help="Pick the most likely token (the default without --temperature, --top-p or --top-k).")
@@ -109,13 +111,15 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--shard-kernel", type=click.Choice(["tree", "ring"]), default="tree", show_default=True,
               help="How --shard-kv combines the shards' attention: two small all-reduces (tree), or each shard "
                    "passed around the ring of ranks (ring, the baseline).")
-def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature, top_p, top_k, repetition_penalty,
-             seed, output, tokenizer, device, dtype, stop_at_eos, compile_, shard_kv, shard_kernel) -> None:
+def generate(model_path, prompt, prompt_ids, chat, max_new_tokens, greedy, temperature, top_p, top_k,
+             repetition_penalty, seed, output, tokenizer, device, dtype, stop_at_eos, compile_, shard_kv,
+             shard_kernel) -> None:
     """Continue a prompt with a model (with --shard-kv under torchrun: over a KV cache split across the ranks)."""
     import torch
 
     from zaya.data.tokenizer import find_tokenizer, load_tokenizer
     from zaya.device import rank_device, resolve_device
+    from zaya.infer.chat import chat_prompt, require_chat_template
     from zaya.infer.generate import Sampling, check_prompt
     from zaya.infer.generate import generate as run_generate
     from zaya.infer.loading import load_model
@@ -128,6 +132,8 @@ def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature
     with launch.startup():
         if (prompt is None) == (prompt_ids is None):
             raise ZayaError("give exactly one of --prompt and --prompt-ids")
+        if chat and prompt is None:
+            raise ZayaError("--chat needs --prompt: the user's message")
         sampled = temperature is not None or top_p is not None or top_k is not None
         if greedy and sampled:
             raise ZayaError("--greedy cannot be combined with --temperature, --top-p or --top-k")
@@ -142,6 +148,7 @@ def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature
             repetition_penalty=repetition_penalty,
         )
         model_path, _ = resolve_model_dir(model_path)  # a run directory means its newest valid checkpoint
+        template = require_chat_template(model_path) if chat else None
         tokenizer_path = tokenizer or find_tokenizer(model_path)
         tok = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
         if prompt is not None and tok is None:
@@ -149,11 +156,16 @@ def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature
         if shard_kv:  # torchrun starts one process per GPU
             device = rank_device(resolve_device(device), launch.local_rank)
         model = load_model(model_path, device=device, dtype=_dtype(dtype))
-        ids = tok.encode(prompt).ids if prompt is not None else _parse_ids(prompt_ids)
+        end_of_turn = None
+        if chat:
+            rendered = chat_prompt(template, model_path, tok, model.config, prompt)
+            ids, end_of_turn = rendered.ids, rendered.end_of_turn_id
+        else:
+            ids = tok.encode(prompt).ids if prompt is not None else _parse_ids(prompt_ids)
         ids_tensor = torch.tensor([ids], dtype=torch.long)
         check_prompt(ids_tensor, model.config.vocab_size)
 
-    eos = model.config.eos_token_id if stop_at_eos else None
+    eos = (end_of_turn if chat else model.config.eos_token_id) if stop_at_eos else None
     if shard_kv:
         from zaya.infer.tree import generate_sharded
 
@@ -170,7 +182,7 @@ def generate(model_path, prompt, prompt_ids, max_new_tokens, greedy, temperature
             return run_generate(model, ids_tensor, max_new_tokens, sampling, eos_token_id=eos, on_token=on_token,
                                 decoder=decoder)
     try:
-        _print_generation(run, prompt, output, tok, launch.is_main)
+        _print_generation(run, None if chat else prompt, output, tok, launch.is_main)  # a reply, not a continuation
     finally:
         if joined:
             _leave_job()

@@ -9,6 +9,11 @@
 The pieces are shared out to the workers as units of work (`build_units.py`); what a worker does with
 one is in `build_worker.py`.
 
+With `format="chat"` the records are chats (JSON objects with `messages`), each rendered with a chat template
+into one document (`chat.py`), and every token also gets a loss-mask flag: 1 inside the assistant turns, 0
+elsewhere, stored beside the tokens (`shards.py`). A BPE trained here learns from the rendered chats cut at the
+template's markers, which become its special tokens; a given tokenizer must have them.
+
 Which split a document goes to depends only on its text (a hash compared with the validation fraction), so
 the split is the same whatever the number of workers, the file order within a run, or the output directory.
 The output does not depend on how the work is cut into pieces either: every document is tokenized on its own
@@ -44,6 +49,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import time
@@ -56,12 +62,16 @@ from tqdm import tqdm
 
 from zaya.data.build_units import group_units, piece_work, plan_pieces, run_order, target_bytes
 from zaya.data.build_worker import MAX_REPORTED_PROBLEMS, Job, JobResult, encode_job, is_val
+from zaya.data.chat import DEFAULT_CHAT_TEMPLATE, ChatFormat, read_template
 from zaya.data.corpus import InputFile, Piece, ReadOptions, Selection, discover, location, stream_piece
 from zaya.data.dataset_writer import DatasetWriter, staged_directory
 from zaya.data.shards import BUILD_FILE, DEFAULT_SHARD_TOKENS, SPLITS, fingerprint_of, token_dtype
 from zaya.data.tokenizer import (
+    BOS_TOKEN,
     DEFAULT_VOCAB_SIZE,
     EOS_TOKEN,
+    added_tokens,
+    check_markers,
     check_vocab_size,
     describe,
     open_tokenizer,
@@ -71,6 +81,8 @@ from zaya.data.tokenizer import (
 from zaya.errors import ZayaError
 
 DEFAULT_VAL_FRACTION = 0.01
+FORMATS = ("text", "chat")
+_CHAT_KINDS = ("jsonl", "json")  # chats are JSON records
 DEFAULT_TOKENIZER_SAMPLE_BYTES = 1 << 30
 _SPILL_DIR = ".tokens"
 _TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
@@ -97,6 +109,8 @@ class BuildOptions:
     tokenizer_sample_bytes: int = DEFAULT_TOKENIZER_SAMPLE_BYTES
     overwrite: bool = False
     progress: bool = False
+    format: str = "text"  # or "chat": records are chats, rendered with `chat_template` (see the module docstring)
+    chat_template: Path | None = None  # a Jinja file; None: DEFAULT_CHAT_TEMPLATE
 
 
 @dataclass
@@ -127,14 +141,17 @@ def build_dataset(options: BuildOptions) -> BuildReport:
     started = time.perf_counter()
     _check_options(options)
     workers = options.workers or default_workers()
-    read = ReadOptions(options.text_field, options.doc_separator)
     files = discover(options.inputs, Selection(options.include, options.exclude), options.split)
+    given = open_tokenizer(options.tokenizer) if options.tokenizer is not None else None
+    chat = _chat_format(options, files, given[0] if given else None)
+    read = ReadOptions(options.text_field, options.doc_separator, chat)
     pieces = plan_pieces(files, read, workers)
     with staged_directory(options.out, options.overwrite) as staging:
-        tokenizer, tokenizer_json = _tokenizer(options, files, pieces, read)
+        markers = chat.markers if chat is not None else ()
+        tokenizer, tokenizer_json = given or _train_tokenizer(options, files, pieces, read, markers)
         info = describe(tokenizer, tokenizer_json, str(options.tokenizer or "the trained tokenizer"),
-                        options.eos_token)
-        writer = DatasetWriter(staging, token_dtype(info.vocab_size), options.shard_tokens)
+                        options.eos_token, markers)
+        writer = DatasetWriter(staging, token_dtype(info.vocab_size), options.shard_tokens, loss_mask=chat is not None)
         spill = staging / _SPILL_DIR
         spill.mkdir()
         try:
@@ -147,7 +164,8 @@ def build_dataset(options: BuildOptions) -> BuildReport:
             writer.abort()
             raise ZayaError(f"no documents in the inputs ({len(files)} files, {tally.text_bytes} bytes of text, "
                             f"{tally.bad_records} bad records)")
-        manifest = writer.finish(tokenizer_json, info.to_dict(), tally.corpus())
+        template = None if chat is None else {"template": chat.template, "end_of_turn": chat.end_of_turn}
+        manifest = writer.finish(tokenizer_json, info.to_dict(), tally.corpus(), template)
         report = BuildReport(
             path=Path(options.out),
             fingerprint=fingerprint_of(manifest),
@@ -175,19 +193,44 @@ def _check_options(options: BuildOptions) -> None:
     for flag, patterns in (("--include", options.include), ("--exclude", options.exclude)):
         if any(not pattern.strip("/") for pattern in patterns):
             raise ZayaError(f"{flag} needs a pattern such as '*.py', got an empty one")
+    if options.format not in FORMATS:
+        raise ZayaError(f"--format must be one of {', '.join(FORMATS)}, got {options.format!r}")
+    if options.chat_template is not None and options.format != "chat":
+        raise ZayaError("--chat-template is for chat data: add --format chat")
 
 
 # ---- the tokenizer ------------------------------------------------------------------------------------
 
 
-def _tokenizer(options: BuildOptions, files: Sequence[InputFile], pieces: Sequence[Piece],
-               read: ReadOptions) -> tuple[Tokenizer, bytes]:
-    if options.tokenizer is not None:
-        return open_tokenizer(options.tokenizer)
+def _chat_format(options: BuildOptions, files: Sequence[InputFile], tokenizer: Tokenizer | None) -> ChatFormat | None:
+    """The chat template of a chat build, checked against the inputs and a given tokenizer (None for text)."""
+    if options.format != "chat":
+        return None
+    for file in files:
+        if file.kind not in _CHAT_KINDS:
+            raise ZayaError(f"{file.path}: --format chat reads JSON lines (.jsonl, also .gz or .zst) and JSON "
+                            f"arrays of chats, not {file.kind} files")
+    if options.chat_template is None:
+        template, source = DEFAULT_CHAT_TEMPLATE, "the default chat template"
+    else:
+        template, source = read_template(options.chat_template), str(options.chat_template)
+    has_bos = tokenizer is None or tokenizer.token_to_id(BOS_TOKEN) is not None
+    chat = ChatFormat.create(template, bos_token=BOS_TOKEN if has_bos else None, eos_token=options.eos_token,
+                             tokens=added_tokens(tokenizer) if tokenizer is not None else (), source=source)
+    if tokenizer is not None:
+        check_markers(tokenizer, chat.markers, str(options.tokenizer))
+    return chat
+
+
+def _train_tokenizer(options: BuildOptions, files: Sequence[InputFile], pieces: Sequence[Piece],
+                     read: ReadOptions, markers: Sequence[str]) -> tuple[Tokenizer, bytes]:
     texts = _training_texts(options, files, pieces, read)
+    if markers:  # the trainer would learn merges across them: it sees text, not special tokens
+        cut = re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
+        texts = (part for text in texts for part in cut.split(text) if part)
     if options.progress:
         print("training the tokenizer", file=sys.stderr)
-    tokenizer = train_bpe(texts, options.vocab_size, progress=options.progress)
+    tokenizer = train_bpe(texts, options.vocab_size, progress=options.progress, extra_special_tokens=markers)
     return tokenizer, tokenizer_bytes(tokenizer)
 
 
@@ -296,8 +339,8 @@ def _collect(job: Job, result: JobResult, tally: _Tally, records_before: list[in
     for piece, count in zip(job.pieces, result.counts, strict=True):
         records_before[piece.file] += count
     for split in SPLITS:
-        for tokens, doc_lengths in result.tokens.read(split):
-            writer.write(split, tokens, doc_lengths)
+        for tokens, doc_lengths, mask in result.tokens.read(split):
+            writer.write(split, tokens, doc_lengths, mask)
             tally.documents += len(doc_lengths)
     tally.text_bytes += result.text_bytes
 

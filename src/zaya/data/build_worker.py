@@ -1,6 +1,6 @@
 """The worker side of `zaya data build`: a unit of work's records read, their documents tokenized a buffer at a
 time, and the tokens spilled to the staging directory; only sizes, counts and the first problems go back to
-the main process."""
+the main process. A chat's tokens also get their loss mask, from the encoder's character offsets."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tokenizers import Tokenizer
 
+from zaya.data.chat import span_mask
 from zaya.data.corpus import InputFile, Piece, ReadOptions, stream_piece
 from zaya.data.shards import SPLITS
 from zaya.data.spill import SpilledTokens, SpillWriter
@@ -68,7 +69,7 @@ def _worker_tokenizer(tokenizer_json: bytes) -> Tokenizer:
 def encode_job(job: Job) -> JobResult:
     """Read a job's pieces record by record, tokenize them a buffer at a time, and append the tokens to the
     job's files; what returns to the main process is sizes, counts and the first few problems."""
-    spill = SpillWriter(job.spill, job.dtype)
+    spill = SpillWriter(job.spill, job.dtype, masked=job.read.chat is not None)
     result = JobResult(spill.spilled)
     buffer = _Buffer()
     try:
@@ -89,7 +90,8 @@ def encode_job(job: Job) -> JobResult:
                         result.invalid_utf8.append((i, record.index))
                 data = record.text.encode("utf-8")
                 result.text_bytes += len(data)
-                buffer.add("val" if is_val(data, job.val_fraction) else "train", record.text, len(data))
+                buffer.add("val" if is_val(data, job.val_fraction) else "train", record.text, len(data),
+                           record.spans)
                 if buffer.bytes >= _BUFFER_BYTES:
                     buffer.flush(job, spill)
             result.counts.append(stream.count)
@@ -104,10 +106,12 @@ class _Buffer:
     """A worker's documents waiting to be tokenized, per split."""
 
     texts: dict[str, list[str]] = field(default_factory=lambda: {split: [] for split in SPLITS})
+    spans: dict[str, list] = field(default_factory=lambda: {split: [] for split in SPLITS})
     bytes: int = 0
 
-    def add(self, split: str, text: str, size: int) -> None:
+    def add(self, split: str, text: str, size: int, spans: tuple[tuple[int, int], ...] | None = None) -> None:
         self.texts[split].append(text)
+        self.spans[split].append(spans)
         self.bytes += size
 
     def flush(self, job: Job, spill: SpillWriter) -> None:
@@ -115,24 +119,35 @@ class _Buffer:
         tokenizer = _worker_tokenizer(job.tokenizer_json)
         for split, documents in self.texts.items():
             if documents:
-                spill.write(split, *_encode(tokenizer, documents, job.eos_id, job.dtype))
+                spans = self.spans[split] if job.read.chat is not None else None
+                spill.write(split, *_encode(tokenizer, documents, job.eos_id, job.dtype, spans))
             documents.clear()
+            self.spans[split].clear()
         self.bytes = 0
 
 
-def _encode(tokenizer: Tokenizer, documents: list[str], eos_id: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Documents to one token array (each followed by `eos_id`) and the documents' lengths.
+def _encode(tokenizer: Tokenizer, documents: list[str], eos_id: int, dtype: str,
+            spans: list[tuple[tuple[int, int], ...]] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Documents to one token array (each followed by `eos_id`), the documents' lengths and, given each
+    document's `spans`, the loss mask: 1 for the tokens that overlap a span, 0 elsewhere and for eos.
 
     The encoder is called on about `_ENCODE_CHARS` of text at a time and its results become arrays at once:
     its per-token objects, and Python's per-id integers, would otherwise outweigh the text many times."""
-    parts, owners = [], []
+    parts, owners, starts = [], [], []
     for d, text in enumerate(documents):
+        start = 0
         for part in _parts(text):
             parts.append(part)
             owners.append(d)
-    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets: faster, same ids
+            starts.append(start)  # a part's offsets count from its own start
+            start += len(part)
+    if spans is None:
+        encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets: faster, same ids
+    else:
+        encode = tokenizer.encode_batch
     eos = np.array([eos_id], dtype=np.uint32)
     arrays: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
     lengths = np.zeros(len(documents), dtype=np.int64)
     start = 0
     while start < len(parts):
@@ -144,12 +159,19 @@ def _encode(tokenizer: Tokenizer, documents: list[str], eos_id: int, dtype: str)
             ids = np.array(encoding.ids, dtype=np.uint32)
             arrays.append(ids)
             lengths[owners[p]] += len(ids)
+            if spans is not None:
+                offsets = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2) + starts[p]
+                masks.append(span_mask(offsets, spans[owners[p]]))
             if p + 1 == len(owners) or owners[p + 1] != owners[p]:
                 arrays.append(eos)
                 lengths[owners[p]] += 1
+                if spans is not None:
+                    masks.append(np.zeros(1, dtype=np.uint8))  # the end of a document is no reply's
         start = stop
     tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.uint32)
-    return tokens.astype(dtype), lengths
+    if spans is None:
+        return tokens.astype(dtype), lengths, None
+    return tokens.astype(dtype), lengths, np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
 
 
 def _parts(text: str) -> Iterator[str]:

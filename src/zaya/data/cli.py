@@ -6,6 +6,7 @@
     zaya data build --input repo/ --include '*.py' --include '*.md' --exclude 'tests/**' --out data/code
     zaya data build --input shards/ --out data/web                     # *.jsonl.zst, *.jsonl.gz, ...
     zaya data build --input saved_dataset/ --split train --out data/hf  # a `save_to_disk` directory
+    zaya data build --format chat --input chats.jsonl --out data/sft     # {"messages": [...]} per line
     zaya data inspect data/mine --verify
 
 Every input kind and its options: docs/data.md.
@@ -19,7 +20,13 @@ from pathlib import Path
 
 import click
 
-from zaya.data.build import DEFAULT_TOKENIZER_SAMPLE_BYTES, DEFAULT_VAL_FRACTION, BuildOptions, build_dataset
+from zaya.data.build import (
+    DEFAULT_TOKENIZER_SAMPLE_BYTES,
+    DEFAULT_VAL_FRACTION,
+    FORMATS,
+    BuildOptions,
+    build_dataset,
+)
 from zaya.data.dataset_reader import Dataset, open_dataset
 from zaya.data.shards import BUILD_FILE, DEFAULT_SHARD_TOKENS
 from zaya.data.tokenizer import DEFAULT_VOCAB_SIZE, EOS_TOKEN
@@ -38,6 +45,12 @@ def data() -> None:
                    "library's source). Repeatable; further paths may follow as arguments.")
 @click.argument("more_inputs", nargs=-1, metavar="[PATH]...")
 @click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="The dataset directory to write.")
+@click.option("--format", "data_format", type=click.Choice(FORMATS), default="text", show_default=True,
+              help="'chat': each JSON record is a chat, {\"messages\": [{\"role\": ..., \"content\": ...}]}, "
+                   "rendered with a chat template; the model learns the assistant turns only.")
+@click.option("--chat-template", type=click.Path(path_type=Path), default=None, metavar="FILE",
+              help="A Jinja chat template in transformers' convention [default: a ChatML-like one, "
+                   "<|im_start|>role ... <|im_end|>].")
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
               help="Use this tokenizer.json instead of training a byte-level BPE.")
 @click.option("--vocab-size", type=int, default=None,
@@ -67,9 +80,9 @@ def data() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing dataset at --out.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bars on stderr [default: when stderr is a terminal].")
-def build(inputs, more_inputs, out, tokenizer, vocab_size, val_fraction, include, exclude, dataset_split,
-          text_field, doc_separator, eos_token, strict, bpe_sample_mb, workers, shard_tokens, overwrite,
-          progress) -> None:
+def build(inputs, more_inputs, out, data_format, chat_template, tokenizer, vocab_size, val_fraction, include, exclude,
+          dataset_split, text_field, doc_separator, eos_token, strict, bpe_sample_mb, workers, shard_tokens,
+          overwrite, progress) -> None:
     """Tokenize text files into a dataset of token super-shards, a document index and a manifest."""
     if tokenizer is not None and vocab_size is not None:
         raise ZayaError("give --tokenizer or --vocab-size, not both")
@@ -91,6 +104,8 @@ def build(inputs, more_inputs, out, tokenizer, vocab_size, val_fraction, include
         shard_tokens=shard_tokens,
         overwrite=overwrite,
         progress=sys.stderr.isatty() if progress is None else progress,
+        format=data_format,
+        chat_template=chat_template,
     )
     report = build_dataset(options)
     for problem in report.problems:
@@ -140,8 +155,12 @@ def _format(dataset: Dataset) -> str:
         f"tokens       {summary['num_tokens']:,} as {summary['dtype']} (largest id {summary['max_token_id']})",
     ]
     for name, split in summary["splits"].items():
-        lines.append(f"{name:<12} {split['num_tokens']:,} tokens, {split['num_documents']:,} documents, "
+        learned = f" ({split['loss_tokens']:,} learned)" if "loss_tokens" in split else ""
+        lines.append(f"{name:<12} {split['num_tokens']:,} tokens{learned}, {split['num_documents']:,} documents, "
                      f"{split['shards']} shard{'s' if split['shards'] != 1 else ''}")
+    if dataset.chat_template_path is not None:
+        lines.append(f"chat         template {dataset.chat_template_path.name}, end of turn {dataset.end_of_turn}; "
+                     "loss on the assistant turns only")
     files = _input_files(dataset)
     counted = "" if files is None else f"{files:,} files, "
     lines.append(f"corpus       {counted}{corpus['text_bytes'] / 1e6:.1f} MB of text, "

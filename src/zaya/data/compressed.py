@@ -19,7 +19,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import BinaryIO
 
-from zaya.data.records import Record, json_record, text_record
+from zaya.data.records import ChatReader, Record, json_record, text_record
 from zaya.errors import ZayaError
 
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
@@ -134,13 +134,15 @@ class _Decompressor(io.RawIOBase):
 # ---- reading decompressed records -----------------------------------------------------------------------
 
 
-def jsonl_stream(path: Path, compression: str, text_field: str) -> Generator[Record, None, int]:
-    """The records of a compressed JSON-lines file, line by line; returns the number of lines."""
+def jsonl_stream(path: Path, compression: str, text_field: str,
+                 chat: ChatReader | None = None) -> Generator[Record, None, int]:
+    """The records of a compressed JSON-lines file, line by line (chats with a `chat` format); returns the
+    number of lines."""
     index = 0
     with open_decompressed(path, compression) as stream:
         try:
             for line in stream:
-                record = json_record(index, line, text_field)
+                record = json_record(index, line, text_field, chat)
                 if record is not None:
                     yield record
                 index += 1

@@ -5,7 +5,8 @@ An input is a file, a directory (searched recursively in sorted order, hidden en
 
 - `.txt`: the whole file is one document or, with a document separator, each non-blank piece between
   separators is one;
-- `.jsonl`: each line is a JSON object whose text field (`text` unless configured) is one document;
+- `.jsonl`: each line is a JSON object whose text field (`text` unless configured) is one document, or with
+  `ReadOptions.chat` whose `messages` are a chat, rendered into one (`chat.py`);
 - `.json`: a JSON array of such objects, or JSON lines (`json_array.py`);
 - `.csv`, `.tsv`: each row's text column is one document (`delimited.py`);
 - `.parquet`, `.arrow`: each row's text column is one document, and a directory written by the Hugging Face
@@ -281,11 +282,11 @@ def stream_piece(file: InputFile, piece: Piece, options: ReadOptions) -> RecordS
     if file.kind == "arrow":
         return RecordStream(tables.arrow_stream(file, piece, options))
     if file.compression is not None and file.kind == "jsonl":
-        return RecordStream(jsonl_stream(file.path, file.compression, options.text_field))
+        return RecordStream(jsonl_stream(file.path, file.compression, options.text_field, options.chat))
     if file.compression is not None and file.kind == "text":
         return RecordStream(text_stream(file.path, file.compression, _separator_bytes(options)))
     if file.kind == "json":
-        return RecordStream(_over_stream(file, lambda s: array_stream(s, file.path, options.text_field)))
+        return RecordStream(_over_stream(file, lambda s: array_stream(s, file.path, options.text_field, options.chat)))
     if file.kind in ("csv", "tsv"):
         return RecordStream(_over_stream(
             file, lambda s: delimited_stream(s, file.path, file.kind, options.text_field)))
@@ -340,7 +341,7 @@ def _byte_range(file: InputFile, piece: Piece, options: ReadOptions) -> Generato
         parts = raw.split(b"\n")
         if parts and not parts[-1]:
             parts.pop()  # the piece ends with a newline
-        maker = lambda i, part: json_record(i, part, options.text_field)  # noqa: E731
+        maker = lambda i, part: json_record(i, part, options.text_field, options.chat)  # noqa: E731
     else:
         separator = _separator_bytes(options)
         parts = [raw] if separator is None else raw.split(separator)

@@ -1,5 +1,5 @@
 """Opening a dataset: its manifest checked field by field and every file's size against it; checksums on
-request."""
+request. A chat dataset's loss masks and chat template are files of the manifest like the others."""
 
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ class Dataset:
         self.special_ids: dict[str, int] = tokenizer["special_ids"]
         self.tokenizer_sha256: str = tokenizer["sha256"]
         self.tokenizer_path = path / tokenizer["file"]
+        # whether each token comes with a loss-mask flag (a chat dataset), and its chat template if it has one
+        self.has_loss_mask: bool = manifest.get("loss_mask", False)
+        chat = tokenizer.get("chat_template")
+        self.chat_template_path: Path | None = None if chat is None else path / chat["file"]
+        self.end_of_turn: str | None = None if chat is None else chat["end_of_turn"]
         self._opened: dict[str, SplitTokens] = {}
 
     @property
@@ -79,8 +84,12 @@ class Dataset:
         """Every file the manifest lists."""
         tokenizer = self.manifest["tokenizer"]
         entries = [FileEntry(tokenizer["file"], tokenizer["bytes"], tokenizer["sha256"])]
+        if "chat_template" in tokenizer:
+            chat = tokenizer["chat_template"]
+            entries.append(FileEntry(chat["file"], chat["bytes"], chat["sha256"]))
         for entry in self.entries.values():
             entries.extend(entry.shards)
+            entries.extend(entry.masks or ())
             entries.append(entry.documents)
         return entries
 
@@ -110,10 +119,12 @@ class Dataset:
             "tokenizer": self.manifest["tokenizer"],
             "splits": {
                 name: {"num_tokens": e.num_tokens, "num_documents": e.num_documents, "shards": len(e.shards),
-                       "bytes": sum(s.bytes for s in e.shards)}
+                       "bytes": sum(s.bytes for s in e.shards),
+                       **({} if e.loss_tokens is None else {"loss_tokens": e.loss_tokens})}
                 for name, e in self.entries.items()
             },
             "corpus": self.manifest["corpus"],
+            "loss_mask": self.has_loss_mask,
         }
 
 
@@ -143,9 +154,14 @@ def open_dataset(path: str | Path) -> Dataset:
     _file_entry(fields, tokenizer, "tokenizer.")
     for key, kind in (("vocab_size", int), ("eos_id", int), ("special_ids", dict)):
         fields.get(tokenizer, key, kind, "tokenizer.")
+    if "chat_template" in tokenizer:
+        chat = fields.get(tokenizer, "chat_template", dict, "tokenizer.")
+        _file_entry(fields, chat, "tokenizer.chat_template.")
+        fields.get(chat, "end_of_turn", str, "tokenizer.chat_template.")
+    masked = fields.get(manifest, "loss_mask", bool) if "loss_mask" in manifest else False
     itemsize = DTYPES[manifest["dtype"]].itemsize
     splits_field = fields.get(manifest, "splits", dict)
-    splits = {name: _split_entry(fields, splits_field, name, itemsize) for name in SPLITS}
+    splits = {name: _split_entry(fields, splits_field, name, itemsize, masked) for name in SPLITS}
     dataset = Dataset(path, manifest, splits)
     for entry in dataset.files():
         _check_size(path / entry.file, entry.bytes)
@@ -169,10 +185,10 @@ class _Fields:
         return value
 
 
-def _split_entry(fields: _Fields, splits: dict, name: str, itemsize: int) -> SplitEntry:
+def _split_entry(fields: _Fields, splits: dict, name: str, itemsize: int, masked: bool) -> SplitEntry:
     prefix = f"splits.{name}."
     split = fields.get(splits, name, dict, "splits.")
-    shards, counts = [], []
+    shards, counts, masks = [], [], []
     for i, shard in enumerate(fields.get(split, "shards", list, prefix)):
         where = f"{prefix}shards[{i}]."
         if not isinstance(shard, dict):
@@ -182,6 +198,14 @@ def _split_entry(fields: _Fields, splits: dict, name: str, itemsize: int) -> Spl
         if count * itemsize != entry.bytes:
             raise ZayaError(f"{fields.source}: field '{where}bytes' is {entry.bytes}, but {count} tokens take "
                             f"{count * itemsize}")
+        if masked:
+            mask = _file_entry(fields, fields.get(shard, "mask", dict, where), f"{where}mask.")
+            if mask.bytes != count:
+                raise ZayaError(f"{fields.source}: field '{where}mask.bytes' is {mask.bytes}, but the shard has "
+                                f"{count} tokens (one mask byte each)")
+            masks.append(mask)
+        elif "mask" in shard:
+            raise ZayaError(f"{fields.source}: field '{where}mask' in a dataset without 'loss_mask': true")
         shards.append(entry)
         counts.append(count)
     num_tokens = fields.get(split, "num_tokens", int, prefix)
@@ -199,6 +223,8 @@ def _split_entry(fields: _Fields, splits: dict, name: str, itemsize: int) -> Spl
         shards=tuple(shards),
         shard_tokens=tuple(counts),
         documents=_file_entry(fields, fields.get(split, "documents", dict, prefix), f"{prefix}documents."),
+        masks=tuple(masks) if masked else None,
+        loss_tokens=fields.get(split, "loss_tokens", int, prefix) if masked else None,
     )
 
 

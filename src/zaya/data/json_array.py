@@ -17,7 +17,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import BinaryIO
 
-from zaya.data.records import Record, json_record
+from zaya.data.records import ChatReader, Record, json_record
 from zaya.errors import ZayaError
 
 _STRUCTURE = re.compile(rb'[\[\]{}",]')  # what matters outside strings
@@ -39,13 +39,14 @@ def sniff(stream: BinaryIO, path: Path) -> str:
     return "jsonl"
 
 
-def array_stream(stream: BinaryIO, path: Path, text_field: str) -> Generator[Record, None, int]:
-    """The elements of a JSON array as records; returns the number of elements."""
+def array_stream(stream: BinaryIO, path: Path, text_field: str,
+                 chat: ChatReader | None = None) -> Generator[Record, None, int]:
+    """The elements of a JSON array as records (chats with a `chat` format); returns the number of elements."""
     scanner = _Scanner(stream, path)
     index = 0
     for raw in scanner.elements():
         if raw.strip():
-            record = json_record(index, raw, text_field)
+            record = json_record(index, raw, text_field, chat)
         else:
             record = Record(index, None, "not valid JSON (an empty element)")
         if record is not None:

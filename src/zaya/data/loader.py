@@ -5,8 +5,12 @@
     loader.load_state_dict(saved)                      # on resume, from any world size
     for step in ...:
         batch = loader.next_batch(ramp.at(loader.consumed_samples))   # [B / world_size, seq_len + 1] int64
-        inputs, labels = batch[:, :-1], batch[:, 1:]
+        inputs, labels = inputs_and_targets(batch, IGNORE_INDEX)      # zaya.data.loss_mask
     save(loader.state_dict())
+
+A chat dataset's loss mask comes inside the batch: the tokens the model must not learn to produce are stored
+complemented, as negative ids (`zaya.data.loss_mask` says why); a batch of unmasked data is plain ids, and in
+a mixture the rows of unmasked sources count every token.
 
 Every rank computes the same global batch, the next B positions of the global order (skipped positions
 left out), and keeps its contiguous slice: rank r of W gets entries [r * B / W, (r + 1) * B / W). The
@@ -35,6 +39,7 @@ import torch
 
 from zaya.data.config import DEFAULT_BLOCK_SIZE, DEFAULT_GROUP_BLOCKS
 from zaya.data.dataset_reader import Dataset, open_dataset
+from zaya.data.loss_mask import mark
 from zaya.data.order import (
     GlobalOrder,
     OrderSource,
@@ -67,6 +72,7 @@ class _Chunk:
     advice: concurrent.futures.Future | None  # the background request to read its new blocks into memory
     positions: np.ndarray  # [batches, batch_size] global positions of the order, every rank's
     rows: np.ndarray | None = None  # [batches * share, seq_len + 1] tokens as stored, once gathered
+    masks: np.ndarray | None = None  # their loss mask (uint8), if a source has one
     taken: int = 0
 
     @property
@@ -116,6 +122,8 @@ class TokenLoader:
         self.rank = rank
         self.world_size = world_size
         self._splits = [d.split(split) for d in self.datasets]
+        # whether batches carry a loss mask (see the module docstring): a chat dataset among the sources
+        self.has_loss_mask = any(d.has_loss_mask for d in self.datasets)
         for dataset, tokens in zip(self.datasets, self._splits, strict=True):
             if tokens.num_tokens < seq_len + 1:
                 raise ZayaError(f"{dataset.path}: the {split} split has {tokens.num_tokens} tokens, fewer than "
@@ -193,7 +201,8 @@ class TokenLoader:
     # ---- batches --------------------------------------------------------------------------------------
 
     def next_batch(self, global_batch_size: int) -> torch.Tensor:
-        """This rank's share of the next global batch: [global_batch_size // world_size, seq_len + 1] int64."""
+        """This rank's share of the next global batch: [global_batch_size // world_size, seq_len + 1] int64, the
+        tokens a loss mask leaves out complemented (`zaya.data.loss_mask`)."""
         pending = self._pending
         if not (pending and pending[0].batch_size == global_batch_size
                 and pending[0].next_start == self._consumed):
@@ -205,10 +214,11 @@ class TokenLoader:
             self._plan(pending[-1].stops[-1], global_batch_size)
         chunk = pending[0]
         if chunk.rows is None:
-            chunk.rows = self._read(chunk.sources, chunk.samples)
+            chunk.rows, chunk.masks = self._read(chunk.sources, chunk.samples)
         share = global_batch_size // self.world_size
-        rows = chunk.rows[chunk.taken * share:(chunk.taken + 1) * share]
-        batch = torch.from_numpy(rows.astype(np.int64))
+        taken = slice(chunk.taken * share, (chunk.taken + 1) * share)
+        batch = torch.from_numpy(mark(chunk.rows[taken].astype(np.int64),
+                                      None if chunk.masks is None else chunk.masks[taken]))
         self.last_positions = chunk.positions[chunk.taken]
         self._consumed = chunk.stops[chunk.taken]
         chunk.taken += 1
@@ -248,15 +258,10 @@ class TokenLoader:
             mine = blocks[blocks >> _SOURCE_SHIFT == source] & ((1 << _SOURCE_SHIFT) - 1)
             tokens.advise([(b * span, min((b + 1) * span + 1, tokens.num_tokens)) for b in mine.tolist()])
 
-    def _read(self, sources: np.ndarray, samples: np.ndarray) -> np.ndarray:
-        """The rows of a chunk, in the stored token dtype (every source has the same tokenizer, so the same)."""
-        if len(self._splits) == 1:
-            return self._splits[0].gather(samples, self.seq_len)
-        out = np.empty((len(samples), self.seq_len + 1), dtype=self._splits[0].dtype)
-        for source in np.unique(sources).tolist():
-            rows = np.flatnonzero(sources == source)
-            out[rows] = self._splits[source].gather(samples[rows], self.seq_len)
-        return out
+    def _read(self, sources: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The rows of a chunk, in the stored token dtype (every source has the same tokenizer, so the same), and
+        their loss mask if a source has one (all ones for the rows of sources without)."""
+        return _gather(self._splits, sources, samples, self.seq_len, self.has_loss_mask)
 
     def _discard_pending(self) -> None:
         for chunk in self._pending:
@@ -272,7 +277,8 @@ class TokenLoader:
         """Fixed evaluation batches: consecutive windows of every source's `split`, in source order, cut into
         global batches of `batch_size` (an incomplete last batch is dropped); this rank's slice of each.
 
-        The same arguments give the same batches every time, whatever the training state."""
+        The same arguments give the same batches every time, whatever the training state. A loss mask comes
+        as in `next_batch`."""
         if batch_size < 1 or batch_size % self.world_size:
             raise ZayaError(f"eval batch size {batch_size} must be a positive multiple of the world size "
                             f"{self.world_size}")
@@ -290,11 +296,8 @@ class TokenLoader:
             first = b * batch_size + self.rank * share
             windows = np.arange(first, first + share)
             sources = np.searchsorted(starts, windows, side="right") - 1
-            out = np.empty((share, self.seq_len + 1), dtype=np.int64)
-            for source in np.unique(sources).tolist():
-                rows = np.flatnonzero(sources == source)
-                out[rows] = splits[source].gather(windows[rows] - starts[source], self.seq_len)
-            yield torch.from_numpy(out)
+            rows, masks = _gather(splits, sources, windows - starts[sources], self.seq_len, self.has_loss_mask)
+            yield torch.from_numpy(mark(rows.astype(np.int64), masks))
 
     # ---- checks and lifetime --------------------------------------------------------------------------
 
@@ -313,6 +316,22 @@ class TokenLoader:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _gather(splits: Sequence[SplitTokens], sources: np.ndarray, samples: np.ndarray, seq_len: int,
+            masked: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """Windows `samples` of the sources' splits (row i from `splits[sources[i]]`) in the stored dtype, and with
+    `masked` their loss masks, all ones for a split without one (unmasked data counts every token)."""
+    if len(splits) == 1:
+        return splits[0].gather(samples, seq_len), splits[0].gather_mask(samples, seq_len) if masked else None
+    out = np.empty((len(samples), seq_len + 1), dtype=splits[0].dtype)
+    masks = np.ones((len(samples), seq_len + 1), dtype=np.uint8) if masked else None
+    for source in np.unique(sources).tolist():
+        rows = np.flatnonzero(sources == source)
+        out[rows] = splits[source].gather(samples[rows], seq_len)
+        if masks is not None and splits[source].has_loss_mask:
+            masks[rows] = splits[source].gather_mask(samples[rows], seq_len)
+    return out, masks
 
 
 def _num_windows(tokens: SplitTokens, seq_len: int) -> int:

@@ -7,7 +7,9 @@ reads the same whether it comes from a `.jsonl` line, a JSON array, a parquet or
 - a text value is a document unless it is empty; raw bytes (plain text files, binary columns) must also not be
   only whitespace;
 - invalid UTF-8 and the lone surrogates JSON escapes can produce become U+FFFD, and the document is flagged;
-- a JSON record must be an object whose text field is a string; a column value must not be null.
+- a JSON record must be an object whose text field is a string; a column value must not be null;
+- a chat record (`zaya data build --format chat`) must be an object whose `messages` the chat template can
+  render (`chat.py` checks them); its document is the rendered text, with the assistant turns' spans.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -32,12 +34,19 @@ class InputFile:
     compression: str | None = None
 
 
+class ChatReader(Protocol):
+    """What makes a chat record's document (`chat.ChatFormat`, which imports this module)."""
+
+    def record(self, index: int, value: dict, invalid_utf8: bool = False) -> Record: ...
+
+
 @dataclass(frozen=True)
 class ReadOptions:
     """How documents are found inside files."""
 
     text_field: str = "text"
     doc_separator: str | None = None
+    chat: ChatReader | None = None  # JSON records are chats, rendered by this (a `chat.ChatFormat`)
 
 
 @dataclass(frozen=True)
@@ -60,12 +69,14 @@ class Record:
     """One record of a piece: a document (`text`) or a bad record (`problem`), at `index` within the piece.
 
     Indices count lines of a jsonl piece, rows of a table or CSV piece, elements of a JSON array and documents
-    of a text piece; blank records are counted but not returned."""
+    of a text piece; blank records are counted but not returned. A chat's document has `spans`: the character
+    ranges [start, stop) of `text` that the model learns to produce."""
 
     index: int
     text: str | None
     problem: str | None = None
     invalid_utf8: bool = False
+    spans: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass
@@ -122,11 +133,15 @@ def text_record(index: int, raw: bytes) -> Record | None:
     return Record(index, text, invalid_utf8=invalid)
 
 
-def object_record(index: int, value: Any, text_field: str, invalid_utf8: bool = False) -> Record | None:
-    """The document of one parsed JSON value (a bad record unless an object with a string text field), or
-    None for an empty text. `invalid_utf8` says the JSON source already had invalid UTF-8."""
+def object_record(index: int, value: Any, text_field: str, invalid_utf8: bool = False,
+                  chat: ChatReader | None = None) -> Record | None:
+    """The document of one parsed JSON value (a bad record unless an object with a string text field, or with
+    `chat` a chat's messages), or None for an empty text. `invalid_utf8` says the JSON source already had
+    invalid UTF-8."""
     if not isinstance(value, dict):
         return Record(index, None, f"expected a JSON object, got {type(value).__name__}")
+    if chat is not None:
+        return chat.record(index, value, invalid_utf8)
     if text_field not in value:
         return Record(index, None, f"no field '{text_field}'")
     text = value[text_field]
@@ -138,7 +153,7 @@ def object_record(index: int, value: Any, text_field: str, invalid_utf8: bool = 
     return Record(index, text, invalid_utf8=invalid_utf8 or bad_escape)
 
 
-def json_record(index: int, raw: bytes, text_field: str) -> Record | None:
+def json_record(index: int, raw: bytes, text_field: str, chat: ChatReader | None = None) -> Record | None:
     """The document of one JSON text (a jsonl line or an array element), a bad record, or None if blank."""
     if not raw.strip():
         return None
@@ -147,7 +162,7 @@ def json_record(index: int, raw: bytes, text_field: str) -> Record | None:
         value = json.loads(source)
     except ValueError as exc:
         return Record(index, None, f"not valid JSON ({exc})")
-    return object_record(index, value, text_field, invalid)
+    return object_record(index, value, text_field, invalid, chat)
 
 
 def column_record(index: int, value: str | bytes | None, text_field: str) -> Record | None:

@@ -9,13 +9,21 @@
         val.docs.bin
         build.json            how it was built (inputs, options, skipped records); not part of the fingerprint
 
+    and in a chat dataset (`zaya data build --format chat`) also
+        chat_template.jinja   the chat template the documents were rendered with (the tokenizer's entry lists it)
+        train.00000.mask.bin  the loss mask of train.00000.bin: one byte per token, 1 where the model learns to
+        ...                   produce the token (the assistant turns), 0 elsewhere; the shard's entry lists it
+
 A split is one token stream stored as super-shards of `shard_tokens` tokens each (the last one shorter), so
 that large sequential reads stay inside one big file; a read that crosses a shard boundary is served from
 both files. Every document ends with the tokenizer's end-of-document token.
 
+A chat dataset's manifest says `"loss_mask": true`; a text dataset's has no such key, nor mask entries, so its
+manifest and fingerprint are what they were before chat datasets existed.
+
 The fingerprint is the SHA-256 of the manifest's canonical JSON. The manifest holds no paths, times or
 build options, so two builds of the same inputs have the same fingerprint wherever they are written, and a
-change to any token changes a checksum and with it the fingerprint.
+change to any token, mask byte or chat template changes a checksum and with it the fingerprint.
 
 `dataset_writer.py` writes a dataset; `dataset_reader.py` opens one and checks its manifest, and
 `split_tokens.py` reads a split's tokens.
@@ -83,3 +91,5 @@ class SplitEntry:
     shards: tuple[FileEntry, ...]
     shard_tokens: tuple[int, ...]
     documents: FileEntry
+    masks: tuple[FileEntry, ...] | None = None  # the loss mask beside each shard, in a chat dataset
+    loss_tokens: int | None = None  # how many tokens the mask flags

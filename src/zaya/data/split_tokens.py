@@ -1,5 +1,6 @@
 """Reading a split's tokens: random access to its stream across the shard files, windows gathered in bulk,
-and read-ahead advice to the operating system."""
+and read-ahead advice to the operating system. A chat dataset's loss mask is a second stream with the same
+shard boundaries, read the same way: `gather_mask` gives the mask windows of the windows `gather` gives."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ _CAN_ADVISE = hasattr(os, "posix_fadvise")
 
 
 class SplitTokens:
-    """Random access to one split's token stream through read-only memory maps of its shards."""
+    """Random access to one split's token stream (and loss mask, if it has one) through read-only memory maps of
+    its shards."""
 
     def __init__(self, directory: Path, entry: SplitEntry, dtype: np.dtype) -> None:
         self.name = entry.name
@@ -25,30 +27,27 @@ class SplitTokens:
         self.num_documents = entry.num_documents
         self._docs_path = directory / entry.documents.file
         self.dtype = dtype
-        # plain ndarrays over the mappings: np.memmap's Python-level indexing costs microseconds per call
-        self._maps = [np.asarray(np.memmap(directory / shard.file, dtype=dtype, mode="r"))
-                      for shard in entry.shards]
-        # descriptors for read-ahead advice; posix_fadvise, unlike mmap.madvise, releases the GIL
-        self._fds = [os.open(directory / shard.file, os.O_RDONLY) for shard in entry.shards] if _CAN_ADVISE else []
-        for fd in self._fds:
-            weakref.finalize(self, os.close, fd)
         self._starts = [0, *np.cumsum(entry.shard_tokens).tolist()]
-        self._windows: dict[int, list[tuple[int, np.ndarray]]] = {}
+        self._tokens = _Stream(directory, entry.shards, dtype, self._starts)
+        self._mask = None if entry.masks is None else _Stream(directory, entry.masks, np.dtype(np.uint8),
+                                                              self._starts)
+        for fd in self._tokens.fds + (self._mask.fds if self._mask else []):
+            weakref.finalize(self, os.close, fd)
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """Whether every token has a loss-mask flag (a chat dataset's split)."""
+        return self._mask is not None
 
     def advise(self, ranges: Iterable[tuple[int, int]]) -> None:
-        """Ask the operating system to start reading token ranges [start, stop) into memory, and return at
-        once. A no-op where posix_fadvise is unavailable."""
+        """Ask the operating system to start reading token ranges [start, stop) (and their mask) into memory, and
+        return at once. A no-op where posix_fadvise is unavailable."""
         if not _CAN_ADVISE:
             return
-        itemsize = self.dtype.itemsize
-        for start, stop in ranges:
-            shard = bisect.bisect_right(self._starts, start) - 1
-            while start < stop:
-                end = min(stop, self._starts[shard + 1])
-                offset = (start - self._starts[shard]) * itemsize
-                length = (end - start) * itemsize
-                os.posix_fadvise(self._fds[shard], offset, length, os.POSIX_FADV_WILLNEED)
-                start, shard = end, shard + 1
+        ranges = list(ranges)
+        for stream in (self._tokens, self._mask):
+            if stream is not None:
+                stream.advise(ranges)
 
     def gather(self, samples: np.ndarray, seq_len: int) -> np.ndarray:
         """Windows of seq_len + 1 tokens as an array [len(samples), seq_len + 1] of the stored dtype; window i
@@ -56,6 +55,64 @@ class SplitTokens:
 
         Windows are gathered from strided views of the shards in one vectorised copy per shard; the few that
         cross from one shard file into the next are read piecewise."""
+        return self._tokens.gather(samples, seq_len, self.name)
+
+    def gather_mask(self, samples: np.ndarray, seq_len: int) -> np.ndarray | None:
+        """The loss mask of the windows `gather` gives, [len(samples), seq_len + 1] uint8 (1: a token the model
+        learns to produce); None for a split without a mask."""
+        return None if self._mask is None else self._mask.gather(samples, seq_len, self.name)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the stream, as a new array of the stored dtype."""
+        out = np.empty(stop - start, dtype=self.dtype)
+        self.read_into(out, start)
+        return out
+
+    def read_mask(self, start: int, stop: int) -> np.ndarray | None:
+        """The loss mask of tokens [start, stop) (None for a split without a mask)."""
+        if self._mask is None:
+            return None
+        out = np.empty(stop - start, dtype=np.uint8)
+        self._mask.read_into(out, start, self.name)
+        return out
+
+    def read_into(self, out: np.ndarray, start: int) -> None:
+        """Fill `out` (any integer dtype) with the tokens from `start` on."""
+        self._tokens.read_into(out, start, self.name)
+
+    def document_ends(self) -> np.ndarray:
+        """Where each document ends in the stream (document i spans ends[i-1]..ends[i])."""
+        if self.num_documents == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.memmap(self._docs_path, dtype="<i8", mode="r")
+
+
+class _Stream:
+    """One flat array cut into shard files (the tokens, or their mask): memory maps, read-ahead descriptors and
+    strided window views."""
+
+    def __init__(self, directory: Path, files: Iterable, dtype: np.dtype, starts: list[int]) -> None:
+        files = list(files)
+        self.dtype = dtype
+        self.starts = starts
+        # plain ndarrays over the mappings: np.memmap's Python-level indexing costs microseconds per call
+        self.maps = [np.asarray(np.memmap(directory / f.file, dtype=dtype, mode="r")) for f in files]
+        # descriptors for read-ahead advice; posix_fadvise, unlike mmap.madvise, releases the GIL
+        self.fds = [os.open(directory / f.file, os.O_RDONLY) for f in files] if _CAN_ADVISE else []
+        self._windows: dict[int, list[tuple[int, np.ndarray]]] = {}
+
+    def advise(self, ranges: list[tuple[int, int]]) -> None:
+        itemsize = self.dtype.itemsize
+        for start, stop in ranges:
+            shard = bisect.bisect_right(self.starts, start) - 1
+            while start < stop:
+                end = min(stop, self.starts[shard + 1])
+                offset = (start - self.starts[shard]) * itemsize
+                length = (end - start) * itemsize
+                os.posix_fadvise(self.fds[shard], offset, length, os.POSIX_FADV_WILLNEED)
+                start, shard = end, shard + 1
+
+    def gather(self, samples: np.ndarray, seq_len: int, name: str) -> np.ndarray:
         samples = np.asarray(samples, dtype=np.int64)
         views = self._window_views(seq_len)
         if len(views) == 1 and len(samples) and samples.min() >= 0:
@@ -72,7 +129,7 @@ class SplitTokens:
             out[rows] = windows[samples[rows] - first]
             handled[rows] = True
         for row in np.flatnonzero(~handled).tolist():
-            self.read_into(out[row], int(samples[row]) * seq_len)
+            self.read_into(out[row], int(samples[row]) * seq_len, name)
         return out
 
     def _window_views(self, seq_len: int) -> list[tuple[int, np.ndarray]]:
@@ -80,7 +137,7 @@ class SplitTokens:
         those windows (neighbouring rows overlap by one token)."""
         if seq_len not in self._windows:
             views = []
-            for tokens, start in zip(self._maps, self._starts, strict=False):
+            for tokens, start in zip(self.maps, self.starts, strict=False):
                 first = -(-start // seq_len)
                 offset = first * seq_len - start
                 count = max(0, (len(tokens) - offset - 1) // seq_len)
@@ -92,28 +149,15 @@ class SplitTokens:
             self._windows[seq_len] = views
         return self._windows[seq_len]
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the stream, as a new array of the stored dtype."""
-        out = np.empty(stop - start, dtype=self.dtype)
-        self.read_into(out, start)
-        return out
-
-    def read_into(self, out: np.ndarray, start: int) -> None:
-        """Fill `out` (any integer dtype) with the tokens from `start` on."""
+    def read_into(self, out: np.ndarray, start: int, name: str) -> None:
         stop = start + len(out)
-        if start < 0 or stop > self.num_tokens:
-            raise IndexError(f"tokens [{start}, {stop}) are outside the {self.name} split of {self.num_tokens}")
-        shard = bisect.bisect_right(self._starts, start) - 1
+        if start < 0 or stop > self.starts[-1]:
+            raise IndexError(f"tokens [{start}, {stop}) are outside the {name} split of {self.starts[-1]}")
+        shard = bisect.bisect_right(self.starts, start) - 1
         done = 0
         while done < len(out):
-            offset = start + done - self._starts[shard]
-            take = min(len(out) - done, self._starts[shard + 1] - self._starts[shard] - offset)
-            out[done:done + take] = self._maps[shard][offset:offset + take]
+            offset = start + done - self.starts[shard]
+            take = min(len(out) - done, self.starts[shard + 1] - self.starts[shard] - offset)
+            out[done:done + take] = self.maps[shard][offset:offset + take]
             done += take
             shard += 1
-
-    def document_ends(self) -> np.ndarray:
-        """Where each document ends in the stream (document i spans ends[i-1]..ends[i])."""
-        if self.num_documents == 0:
-            return np.zeros(0, dtype=np.int64)
-        return np.memmap(self._docs_path, dtype="<i8", mode="r")

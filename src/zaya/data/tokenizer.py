@@ -3,7 +3,8 @@
 A trained tokenizer reserves its first ids for the special tokens `<pad>`=0, `<eos>`=1 and `<bos>`=2, the
 model config's defaults, so a model built from a preset needs no id remapping. The builder appends the
 end-of-document token after every document; the tokenizer itself adds nothing, so encoding a prompt at
-inference gives just the prompt's ids.
+inference gives just the prompt's ids. A BPE trained for a chat dataset also reserves its chat template's
+markers (`<|im_start|>`, `<|im_end|>`), after those three.
 
 Training is deterministic: the `tokenizers` BPE trainer has no randomness, assigns the 256 byte-level symbols
 ids in sorted order and breaks ties between equally frequent pairs by those ids. (Its one known source of run-
@@ -14,7 +15,7 @@ check that two builds, in two processes, produce the same tokenizer bytes.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +24,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from zaya.errors import ZayaError
 
 TOKENIZER_FILE = "tokenizer.json"  # in a dataset, a checkpoint and an HF directory alike
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # beside it, where the tokenizer has a chat template (transformers' name)
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
 DEFAULT_VOCAB_SIZE = 8192
 EOS_TOKEN = "<eos>"
+BOS_TOKEN = "<bos>"
 # 256 byte symbols plus the special tokens: anything smaller cannot encode every string
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 MAX_VOCAB_SIZE = 1 << 32
@@ -68,15 +71,18 @@ def check_vocab_size(vocab_size: int) -> None:
         raise ZayaError(f"--vocab-size must be between {MIN_VOCAB_SIZE} and {MAX_VOCAB_SIZE}, got {vocab_size}")
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, *, progress: bool = False) -> Tokenizer:
-    """A byte-level BPE with `vocab_size` entries (fewer if the corpus has too few distinct pairs)."""
+def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, *, progress: bool = False,
+              extra_special_tokens: Sequence[str] = ()) -> Tokenizer:
+    """A byte-level BPE with `vocab_size` entries (fewer if the corpus has too few distinct pairs), whose special
+    tokens are SPECIAL_TOKENS and then `extra_special_tokens`. The trainer does not cut the texts at special
+    tokens: texts given to it must not contain them."""
     check_vocab_size(vocab_size)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *(t for t in extra_special_tokens if t not in SPECIAL_TOKENS)],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=progress,
     )
@@ -95,15 +101,32 @@ def tokenizer_bytes(tokenizer: Tokenizer) -> bytes:
     return tokenizer.to_str(pretty=True).encode("utf-8")
 
 
-def describe(tokenizer: Tokenizer, data: bytes, source: str, eos_token: str = EOS_TOKEN) -> TokenizerInfo:
-    """The dataset's record of a tokenizer; `data` is its JSON as stored, `source` names it in errors."""
+def describe(tokenizer: Tokenizer, data: bytes, source: str, eos_token: str = EOS_TOKEN,
+             markers: Sequence[str] = ()) -> TokenizerInfo:
+    """The dataset's record of a tokenizer; `data` is its JSON as stored, `source` names it in errors, `markers`
+    are a chat template's (whose ids are recorded too)."""
     eos_id = tokenizer.token_to_id(eos_token)
     if eos_id is None:
         raise ZayaError(f"{source}: no '{eos_token}' token; name the end-of-document token with --eos-token")
-    special_ids = {token: tokenizer.token_to_id(token) for token in (*SPECIAL_TOKENS, eos_token)}
+    special_ids = {token: tokenizer.token_to_id(token) for token in (*SPECIAL_TOKENS, eos_token, *markers)}
     return TokenizerInfo(
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
         eos_id=eos_id,
         special_ids={token: i for token, i in special_ids.items() if i is not None},
         sha256=hashlib.sha256(data).hexdigest(),
     )
+
+
+def added_tokens(tokenizer: Tokenizer) -> list[str]:
+    """The texts of a tokenizer's added (special and other) tokens, in id order."""
+    return [token.content for _, token in sorted(tokenizer.get_added_tokens_decoder().items())]
+
+
+def check_markers(tokenizer: Tokenizer, markers: Sequence[str], source: str) -> None:
+    """Refuse a tokenizer that would cut one of a chat template's markers into pieces."""
+    for marker in markers:
+        ids = tokenizer.encode(marker, add_special_tokens=False).ids
+        if len(ids) != 1 or tokenizer.token_to_id(marker) != ids[0]:
+            raise ZayaError(f"{source}: the chat template's marker {marker!r} is not a token of this tokenizer; "
+                            "give a tokenizer that has it as a special token, or a --chat-template whose markers "
+                            "it has")

@@ -8,15 +8,18 @@ from pathlib import Path
 import torch
 
 from zaya.data.loader import TokenLoader
+from zaya.data.loss_mask import inputs_and_targets
 from zaya.errors import ZayaError
 from zaya.infer.loading import load_model
+from zaya.model.loss import IGNORE_INDEX
 
 
 @torch.no_grad()
 def evaluate_model(model_path: str | Path, data_path: str | Path, *, split: str = "val", seq_len: int = 512,
                    batch_size: int = 8, max_batches: int | None = None, device: str | None = None,
                    record: bool = False) -> dict:
-    """Mean next-token cross-entropy over fixed windows of `seq_len + 1` tokens of the split.
+    """Mean next-token cross-entropy over fixed windows of `seq_len + 1` tokens of the split (over the assistant
+    tokens of a chat dataset: those its loss mask keeps).
 
     With `record`, a model inside a run directory also gets a "heldout" line in RUN_DIR/evals.jsonl
     (`zaya.evals.records`)."""
@@ -27,9 +30,9 @@ def evaluate_model(model_path: str | Path, data_path: str | Path, *, split: str 
         device = model.embed.weight.device
         total, tokens, batches = 0.0, 0, 0
         for batch in loader.iter_eval_batches(batch_size, split=split, max_batches=max_batches):
-            batch = batch.to(device)
-            n = batch.shape[0] * seq_len
-            total += float(model.loss(batch[:, :-1], batch[:, 1:])) * n
+            inputs, targets = inputs_and_targets(batch.to(device), IGNORE_INDEX)
+            n = int((targets != IGNORE_INDEX).sum())
+            total += float(model.loss(inputs, targets)) * n
             tokens += n
             batches += 1
     finally:

@@ -3,6 +3,7 @@
     tokenizer_config.json     tokenizer class, the special tokens, whether encoding adds bos/eos, max length
     special_tokens_map.json   the special tokens alone
     generation_config.json    bos/eos/pad token ids for `generate` and pipelines
+    chat_template.jinja       the chat template, where the model has one (transformers reads it too)
 
 Without tokenizer_config.json, `AutoTokenizer` guesses a tokenizer class from the model type and its default
 `<unk>`, which a byte-level BPE does not have, and fails on the first encode; with these files
@@ -13,6 +14,10 @@ The special tokens are the ones the tokenizer really has: a role (bos, eos, pad)
 when that id is a special token of the tokenizer, eos the end-of-document id of the dataset the model was
 trained on when the checkpoint says which, unk the BPE model's unknown token if it has one. A model imported
 from Hugging Face keeps its own files: they are carried in the checkpoint and written back unchanged.
+
+A model trained on chats has the chat template of its data (`chat_template_of`): a checkpoint's
+chat_template.jinja, else the template of the dataset the run trained on (found as the end-of-document id is).
+A tokenizer_config.json made here carries it as `chat_template`, so `apply_chat_template` renders as zaya does.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from zaya.checkpoint.files import TRAIN_STATE_FILE, read_json
-from zaya.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+from zaya.data.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, load_tokenizer
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
 
@@ -71,6 +76,7 @@ class TrainingHints:
 
     seq_len: int | None = None
     eos_id: int | None = None
+    chat_template: str | None = None  # the dataset's, for a model trained on chats
 
 
 # ---- what a tokenizer has -----------------------------------------------------------------------------
@@ -135,20 +141,38 @@ def training_hints(checkpoint_dir: Path) -> TrainingHints:
     phases = [p for p in run.get("phases") or [] if isinstance(p, dict)]
     lengths = [n for n in [data.get("seq_len"), *(p.get("seq_len") for p in phases)] if isinstance(n, int) and n > 0]
     sources = [data.get("path"), *(s.get("path") for p in phases for s in p.get("sources") or [])]
-    return TrainingHints(seq_len=max(lengths) if lengths else None,
-                         eos_id=_dataset_eos_id([s for s in sources if isinstance(s, str)], directory))
+    eos_id, template = _dataset_tokenizer([s for s in sources if isinstance(s, str)], directory)
+    return TrainingHints(seq_len=max(lengths) if lengths else None, eos_id=eos_id, chat_template=template)
+
+
+def chat_template_of(model_dir: Path) -> str | None:
+    """The chat template of a model directory: its chat_template.jinja, its tokenizer_config.json's
+    `chat_template` (the one named "default" of a list), or a training checkpoint's dataset's; None if none."""
+    directory = Path(model_dir)
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    if (directory / TOKENIZER_CONFIG_FILE).is_file():
+        template = read_json(directory / TOKENIZER_CONFIG_FILE).get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if isinstance(template, str):
+            return template
+    return training_hints(directory).chat_template
 
 
 # ---- writing them -------------------------------------------------------------------------------------
 
 
-def tokenizer_config_json(specials: SpecialTokens, model_max_length: int) -> dict:
+def tokenizer_config_json(specials: SpecialTokens, model_max_length: int, chat_template: str | None = None) -> dict:
     """tokenizer_config.json for `PreTrainedTokenizerFast` over the directory's tokenizer.json."""
     data = {"tokenizer_class": TOKENIZER_CLASS, "model_max_length": model_max_length,
             "add_bos_token": specials.add_bos, "add_eos_token": specials.add_eos,
             # the tokenizers library decodes without it; HF's clean-up would change " ." into "."
             "clean_up_tokenization_spaces": False}
     data.update({f"{role}_token": token.text for role, token in specials.tokens().items()})
+    if chat_template is not None:
+        data["chat_template"] = chat_template
     return data
 
 
@@ -175,6 +199,8 @@ def write_hf_files(directory: Path, config: ZayaConfig, tokenizer_path: Path | N
     preserved = {name for name in HF_FILES if source is not None and (Path(source) / name).is_file()}
     for name in preserved:
         shutil.copyfile(Path(source) / name, directory / name)
+    if source is not None and (Path(source) / CHAT_TEMPLATE_FILE).is_file():
+        shutil.copyfile(Path(source) / CHAT_TEMPLATE_FILE, directory / CHAT_TEMPLATE_FILE)
     specials = None
     if tokenizer_path is not None and Path(tokenizer_path).is_file():
         tokenizer = load_tokenizer(tokenizer_path)
@@ -184,7 +210,9 @@ def write_hf_files(directory: Path, config: ZayaConfig, tokenizer_path: Path | N
                                            Path(source) / TOKENIZER_CONFIG_FILE)
         else:
             specials = derive_special_tokens(tokenizer, config, hints.eos_id)
-        made = {TOKENIZER_CONFIG_FILE: tokenizer_config_json(specials, hints.seq_len or config.max_position_embeddings),
+        template = chat_template_of(source) if source is not None else None
+        made = {TOKENIZER_CONFIG_FILE: tokenizer_config_json(specials, hints.seq_len or config.max_position_embeddings,
+                                                             template),
                 SPECIAL_TOKENS_FILE: special_tokens_map_json(specials)}
         for name, data in made.items():
             if name not in preserved:
@@ -194,8 +222,8 @@ def write_hf_files(directory: Path, config: ZayaConfig, tokenizer_path: Path | N
 
 
 def present_hf_files(directory: Path) -> list[Path]:
-    """The files of HF_FILES that `directory` holds (to carry into a checkpoint)."""
-    return [Path(directory) / name for name in HF_FILES if (Path(directory) / name).is_file()]
+    """The files of HF_FILES (and the chat template) that `directory` holds (to carry into a checkpoint)."""
+    return [Path(directory) / name for name in (*HF_FILES, CHAT_TEMPLATE_FILE) if (Path(directory) / name).is_file()]
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
@@ -214,25 +242,34 @@ def _added_on_encode(tokenizer: Tokenizer, bos: Token | None, eos: Token | None)
     return (added and bos is not None and full[0] == bos.id), (added and eos is not None and full[-1] == eos.id)
 
 
-def _dataset_eos_id(paths: list[str], checkpoint_dir: Path) -> int | None:
-    """The end-of-document id of the first dataset whose tokenizer is the checkpoint's own."""
+def _dataset_tokenizer(paths: list[str], checkpoint_dir: Path) -> tuple[int | None, str | None]:
+    """The end-of-document id of the first dataset whose tokenizer is the checkpoint's own, and the chat
+    template of the first such dataset that has one."""
     from zaya.data.shards import MANIFEST_FILE
 
     tokenizer = checkpoint_dir / TOKENIZER_FILE
     if not tokenizer.is_file():
-        return None
+        return None, None
     digest = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    eos_id, template = None, None
     for path in paths:
         manifest = Path(path) / MANIFEST_FILE
         if not manifest.is_file():
             continue
         try:
             info = json.loads(manifest.read_text(encoding="utf-8")).get("tokenizer") or {}
+            if info.get("sha256") != digest:
+                continue
+            chat = info.get("chat_template")
+            if template is None and isinstance(chat, dict) and isinstance(chat.get("file"), str):
+                data = (Path(path) / Path(chat["file"]).name).read_bytes()
+                if hashlib.sha256(data).hexdigest() == chat.get("sha256"):
+                    template = data.decode("utf-8")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue  # a hint, not a requirement: a damaged dataset just does not inform the export
-        if info.get("sha256") == digest and isinstance(info.get("eos_id"), int):
-            return info["eos_id"]
-    return None
+        if eos_id is None and isinstance(info.get("eos_id"), int):
+            eos_id = info["eos_id"]
+    return eos_id, template
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -5,6 +5,10 @@ resumes, rolls back or moves on to the next phase.
 A phase ends once its token budget is spent. A phase of another `cp` needs another mesh: at its boundary the
 trainer commits a checkpoint, builds the model, optimizer and loader again on the new mesh and loads that
 checkpoint into them (a checkpoint loads on any mesh).
+
+Supervised fine-tuning needs nothing else: a chat dataset's batches carry its loss mask inside the token ids
+(`zaya.data.loss_mask`), and `micro_loss` turns the tokens left out into IGNORE_INDEX targets, so the loss (and
+the held-out loss, which goes through it too) is the mean over the assistant tokens of each micro-batch.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 import torch
 
 from zaya.data.loader import TokenLoader
+from zaya.data.loss_mask import inputs_and_targets
 from zaya.errors import ZayaError
 from zaya.model.flops import training_flops_per_token
 from zaya.model.loss import IGNORE_INDEX
@@ -33,6 +38,7 @@ class Curriculum:
         self.run, self.allow_data_change = run, allow_data_change
         self.loader: TokenLoader | None = None  # the current phase's; None between phases
         self.tokenizer: Path | None = None  # the current phase's tokenizer.json, which checkpoints carry
+        self.chat_template: Path | None = None  # and its chat template, where the data are chats
         self.sequence: ContextParallel | None = None  # the cp split of the current phase (None: unsplit)
         self.flops_per_token = 0.0
 
@@ -69,7 +75,17 @@ class Curriculum:
                                         "skip_ranges": saved.get("skip_ranges", [])})
         progress.fingerprints[phase.name] = [d.fingerprint for d in loader.datasets]
         self.tokenizer = loader.datasets[0].tokenizer_path
+        try:
+            self.chat_template = _chat_template(loader)
+        except ZayaError:
+            loader.close()
+            raise
         return loader
+
+    def tokenizer_files(self) -> list[Path]:
+        """The files a checkpoint carries so that it can be run and exported on its own: tokenizer.json and,
+        for chat data, chat_template.jinja."""
+        return [p for p in (self.tokenizer, self.chat_template) if p is not None]
 
     def _sequence(self, phase: Phase, parallel: ParallelContext) -> ContextParallel | None:
         """The phase's context-parallel split of every sequence over this rank's cp group (None: unsplit)."""
@@ -103,12 +119,13 @@ class Curriculum:
         return self.phase(progress).cp != before.cp
 
     def micro_loss(self, model: Zaya, micro: torch.Tensor, stats: RouterStats | None) -> tuple[torch.Tensor, float]:
-        """The next-token loss of the micro-batch `micro` [b, seq_len + 1], and the factor its gradient needs.
+        """The next-token loss of the micro-batch `micro` [b, seq_len + 1] (over the tokens its loss mask keeps),
+        and the factor its gradient needs.
 
         Split over a cp group, each rank's loss is its part of the micro-batch's mean (its tokens' summed
         loss over the micro-batch's valid tokens), so that the parts add up to the unsplit loss; FSDP2
         averages gradients over dp_shard x cp, so the gradient is taken of cp times the part."""
-        inputs, targets = micro[:, :-1], micro[:, 1:]
+        inputs, targets = inputs_and_targets(micro, IGNORE_INDEX)
         cp = self.sequence
         if cp is None:
             return model.loss(inputs, targets, router_stats=stats), 1.0
@@ -122,3 +139,13 @@ class Curriculum:
         if self.loader is not None:
             self.loader.close()
             self.loader = None
+
+
+def _chat_template(loader: TokenLoader) -> Path | None:
+    """The chat template of the phase's chat datasets; one, since a model answers in one format."""
+    found = {d.chat_template_path.read_bytes(): d.chat_template_path for d in loader.datasets
+             if d.chat_template_path is not None}
+    if len(found) > 1:
+        paths = sorted(str(p) for p in found.values())
+        raise ZayaError(f"{paths[1]}: another chat template than {paths[0]}'s; a phase's chat datasets need one")
+    return next(iter(found.values()), None)

@@ -186,8 +186,8 @@ class Trainer:
                 "dtype": "float32", "precision": self.config.precision, "step": step, "mesh": self.parallel.describe()}
         async_save = self.config.checkpoint.async_save
         started = self.setup.timer()
-        self.manager.save(step, tensors, state, info, extra_files=[self.curriculum.tokenizer], async_save=async_save,
-                          on_written=lambda: self.hooks("checkpoint-written", step),
+        self.manager.save(step, tensors, state, info, extra_files=self.curriculum.tokenizer_files(),
+                          async_save=async_save, on_written=lambda: self.hooks("checkpoint-written", step),
                           on_commit=lambda path: self.hooks("committed", step, path))
         seconds = self.setup.timer() - started
         self.stops.clock.save_seconds = seconds  # the next save's estimate, for train.max_time_s

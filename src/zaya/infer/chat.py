@@ -1,0 +1,58 @@
+"""`zaya generate --chat`: a prompt sent as a user message, in the chat template the model was trained with.
+
+    template = require_chat_template(model_dir)        # one clear line if the model has none
+    prompt = chat_prompt(template, model_dir, tokenizer, model.config, "What is MoE?")
+    generate(model, [prompt.ids], ..., eos_token_id=prompt.end_of_turn_id)
+
+The prompt is rendered with the generation prompt (`add_generation_prompt=True`) and encoded without the
+tokenizer's post-processor, as the training data were and as transformers' `apply_chat_template` does; the
+reply ends at the template's end-of-turn token, which the model learned to produce at the end of every reply.
+The template sees the special tokens an export declares (`special_tokens_of`), so it renders as it did for the
+dataset and as it will for `AutoTokenizer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from zaya.data.chat import ChatFormat
+from zaya.data.tokenizer import added_tokens
+from zaya.errors import ZayaError
+from zaya.infer.hf_files import chat_template_of, special_tokens_of
+from zaya.model.config import ZayaConfig
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered prompt: its text, its ids, and the id that ends the reply."""
+
+    text: str
+    ids: list[int]
+    end_of_turn_id: int
+
+
+def require_chat_template(model_dir: Path) -> str:
+    """The model's chat template (`chat_template_of`), or a `ZayaError` saying it has none."""
+    template = chat_template_of(model_dir)
+    if template is None:
+        raise ZayaError(f"{model_dir}: no chat template (no chat_template.jinja, none in tokenizer_config.json, "
+                        "no chat dataset behind the checkpoint); --chat needs a model trained on data built with "
+                        "'zaya data build --format chat'")
+    return template
+
+
+def chat_prompt(template: str, model_dir: Path, tokenizer: Tokenizer, config: ZayaConfig, text: str) -> ChatPrompt:
+    """`text` as the user's message of a new conversation, rendered and encoded (see the module docstring)."""
+    specials = special_tokens_of(model_dir, tokenizer, config)
+    chat = ChatFormat.create(template, bos_token=specials.bos.text if specials.bos else None,
+                             eos_token=specials.eos.text if specials.eos else None, tokens=added_tokens(tokenizer),
+                             source=f"{model_dir}'s chat template")
+    rendered = chat.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    end = tokenizer.token_to_id(chat.end_of_turn)
+    if end is None:
+        raise ZayaError(f"{model_dir}: the chat template ends a turn with {chat.end_of_turn!r}, which is not a "
+                        "token of the tokenizer")
+    return ChatPrompt(rendered, tokenizer.encode(rendered, add_special_tokens=False).ids, end)
