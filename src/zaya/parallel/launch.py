@@ -138,7 +138,8 @@ class Launch:
                     self._attempt = int(store.get(_ATTEMPT))
                     return store
             except (OSError, RuntimeError, ValueError, KeyError, TypeError):  # an earlier attempt's address, gone
-                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                pass
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))  # rank 0 may not have posted its own yet
         raise StartupFailed(f"rank 0 did not open the job's store within {self.init_timeout_s:.0f} s (see its log)",
                             rank=self.rank)
 
