@@ -72,7 +72,7 @@ class TrainingSettings:
     # a MoE layer's busiest expert above this many times the mean expert load (at most the number of experts:
     # a layer whose every token goes to one expert) ...
     collapse_ratio: float = 3.0
-    collapse_steps: int = 10  # ... in this many steps in a row
+    collapse_steps: int = 20  # ... in this many steps in a row (early in a real run; a short trial is left alone)
 
 
 @dataclass(frozen=True)
