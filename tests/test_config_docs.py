@@ -104,7 +104,8 @@ def _value_for(key: str, default: str) -> str:
         return default.strip("`")
     if default == "from the preset":
         return toml_value(getattr(get_preset("tiny"), key.split(".")[-1]))
-    return {"optim.adamw_lr": "0.002", "phases.0.sources.0.path": '"data/other"'}[key]
+    return {"optim.adamw_lr": "0.002", "phases.0.sources.0.path": '"data/other"',
+            "phases.0.isolate_documents": "true"}[key]
 
 
 def _lookup(config, key: str):

@@ -10,7 +10,7 @@ overrides, validated, and resolved for a job (`RunConfig.resolve`, `zaya.train.r
     [checkpoint] dir, every, keep, async_save                                                 zaya.train.config
     [logging]    log_every, tensorboard, progress, Weights & Biases                           zaya.train.config
     [parallel]   the device mesh (dp_replicate, dp_shard, cp), backend, timeouts              zaya.parallel.config
-    [[phases]]   optional: name, tokens, sources, seq_len, lr_scale, rope_theta, cp           zaya.train.config
+    [[phases]]   optional: name, tokens, sources, seq_len, lr_scale, rope_theta, cp, ...  zaya.train.config
 
 Unknown keys and wrong types are errors that name the key and the file; nothing is silently ignored. Importing
 this module loads no torch: the sections import none of their packages' implementations.
@@ -75,8 +75,9 @@ class RunConfig:
         resolved = []
         for phase in phases:
             sources = phase.sources or [Source(self.data.path)]
+            isolate = self.data.isolate_documents if phase.isolate_documents is None else phase.isolate_documents
             resolved.append(dataclasses.replace(phase, sources=sources, seq_len=phase.seq_len or self.data.seq_len,
-                                                cp=phase.cp or self.parallel.cp))
+                                                cp=phase.cp or self.parallel.cp, isolate_documents=isolate))
         return resolved
 
     def to_dict(self) -> dict:
@@ -314,3 +315,7 @@ def _validate(config: RunConfig) -> None:
             _positive(config, f"phases.{i}.sources.{j}.weight", source.weight)
         if phase.tokens == 0 and i != len(config.phases) - 1:
             raise ZayaError(f"{config.source}: phase '{phase.name}' needs a token budget (only the last may be open)")
+    for phase in config.resolved_phases():
+        if phase.isolate_documents and phase.cp > 1:
+            raise ZayaError(f"{config.source}: phase '{phase.name}' keeps documents apart (isolate_documents) "
+                            f"with cp = {phase.cp}; context parallelism does not split packed documents yet")

@@ -1,6 +1,8 @@
 """Supervised fine-tuning on chats: a run on a chat dataset learns the assistant tokens only. Its training loss,
 its held-out loss and `zaya eval --data` are the cross-entropy of exactly the tokens the loss mask flags."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,3 +96,38 @@ def test_context_parallel_fine_tuning_logs_the_losses_of_one_process(chat_data, 
     for a, b in zip(single, split, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
     assert split[-1]["eval_loss"] == pytest.approx(single[-1]["eval_loss"], rel=1e-4)
+
+
+def _cross_entropy_alone(model, batch: torch.Tensor, eos: int) -> torch.Tensor:
+    """By hand: each row cut after every eos, each piece run through the model on its own, the pieces' logits
+    side by side; the mean cross-entropy of the tokens the mask keeps."""
+    ids = torch.where(batch < 0, -batch - 1, batch)
+    targets = torch.where(batch[:, 1:] < 0, torch.full_like(ids[:, 1:], -100), ids[:, 1:])
+    logits = []
+    with torch.no_grad():
+        for row in ids[:, :-1]:
+            cuts = [0, *(i + 1 for i in (row[:-1] == eos).nonzero().flatten().tolist()), len(row)]
+            logits.append(torch.cat([model(row[None, a:b])[0] for a, b in itertools.pairwise(cuts)]))
+    return F.cross_entropy(torch.stack(logits).float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def test_packed_chats_are_kept_apart_when_the_config_asks(chat_data, tmp_path):
+    config = load_config(write_config(
+        tmp_path / "run.toml", chat_data, data={"isolate_documents": True, "seq_len": 128},
+        checkpoint={"every": 1, "keep": 1}, schedule={"warmup_steps": 0},
+        train={"max_steps": 1, "eval_every": 0, "micro_batch_size": 8, "global_batch_size": 8}))
+    batch = _first_batch(config)
+    with TokenLoader([(chat_data, 1.0)], SEQ_LEN, seed=0) as loader:
+        eos = loader.datasets[0].eos_id
+    assert int((batch == ~eos).sum()) >= 8  # rows of several chats
+    model = zaya.build_model(config.model.build("test"), seed=config.train.seed)
+    expected = float(_cross_entropy_alone(model, batch, eos))
+    assert abs(expected - float(_cross_entropy(model, batch))) > 1e-3  # packed without isolation differs
+    build_trainer(config, tmp_path / "run").run()
+    assert read_metrics(tmp_path / "run")[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_kept_apart_documents_cannot_be_split_over_context_parallel_ranks(chat_data, tmp_path):
+    path = write_config(tmp_path / "run.toml", chat_data, data={"isolate_documents": True}, parallel={"cp": 2})
+    with pytest.raises(zaya.ZayaError, match=r"run.toml: phase 'main' keeps documents apart .* cp = 2"):
+        load_config(path)

@@ -30,3 +30,6 @@ class DataSection:
     # on a small corpus wants block_size 1, or its first thousand steps see a few dozen places of it only.
     block_size: int = DEFAULT_BLOCK_SIZE  # consecutive sequences that stay together (1: each from anywhere)
     group_blocks: int = DEFAULT_GROUP_BLOCKS  # blocks whose sequences are shuffled together
+    # Documents packed into one sequence kept apart: attention, the convolutions and the value shift stop at
+    # each document's start, RoPE counts from it (zaya.model.documents); a phase may set its own
+    isolate_documents: bool = False

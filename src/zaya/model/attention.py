@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zaya.model.config import ZayaConfig
+from zaya.model.documents import attention_mask
 from zaya.model.layers import apply_rotary
 
 _SHORT_INPUT = 8  # tokens up to which the convolutions run as a direct contraction
@@ -172,13 +173,20 @@ class CompressedConvAttention(nn.Module):
         them across calls (the compiled decode step, which cannot use the memo)."""
         return (self.input_weight(), *self.conv_kernel())
 
-    def _convolve(self, p_ext: torch.Tensor, T: int, M: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        """z [B, T, heads, d] from the padded packed sequence p_ext [B, T + P, C] and the composed kernel."""
+    def _convolve(self, p_ext: torch.Tensor, T: int, M: torch.Tensor, c: torch.Tensor,
+                  documents: torch.Tensor | None = None) -> torch.Tensor:
+        """z [B, T, heads, d] from the padded packed sequence p_ext [B, T + P, C] and the composed kernel; with
+        `documents` (positions in documents, [B, T]) no window reaches across a document's start."""
         B, G, d, P = p_ext.shape[0], self.num_q_heads + self.num_kv_heads, self.head_dim, self.padding
         M, c = M.to(p_ext.dtype), c.to(p_ext.dtype)
-        if T <= _SHORT_INPUT:
-            # a few tokens (decoding): a contraction over each window beats a convolution's setup cost
-            windows = p_ext.unfold(1, P + 1, 1).view(B, T, G, d, P + 1)
+        if T <= _SHORT_INPUT or documents is not None:
+            # a few tokens (decoding): a contraction over each window beats a convolution's setup cost; packed
+            # documents: window slot m holds p_{t-P+m}, which t's document reaches if P - m <= pos_t
+            windows = p_ext.unfold(1, P + 1, 1)
+            if documents is not None:
+                reach = documents[:, :, None] >= torch.arange(P, -1, -1, device=documents.device)
+                windows = windows * reach[:, :, None, :].to(windows.dtype)
+            windows = windows.reshape(B, T, G, d, P + 1)
             return torch.einsum("btgim,goim->btgo", windows, M.view(G, d, d, P + 1)) + c.view(G, d)
         z = F.conv1d(p_ext.transpose(1, 2), M, c, groups=G)
         # back to [B, T, heads, d] with d contiguous (the fused attention kernels need it): one converting copy
@@ -194,11 +202,14 @@ class CompressedConvAttention(nn.Module):
         value_past: torch.Tensor | None = None,
         weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         sequence: SequenceShard | None = None,
+        documents: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Steps 1-7 for T new tokens, after `conv_past` (the last P packed vectors p, [B, P, C]) and
         `value_past` (the last W_vdel x, [B, 1, n_k d / 2]); None means the sequence starts here.
         `weights` are `derived_weights()`, when the caller has them. With a `sequence` shard, x holds its
         segments and the states before each come from `sequence.exchange_halo` (the two pasts must be None).
+        `documents`: each token's position in its packed document [B, T] (`zaya.model.documents`), for a whole
+        sequence (no pasts, no shard).
 
         Returns q [B, n_q, T, d], k and v [B, n_k, T, d], and the two states after these tokens.
         """
@@ -235,7 +246,7 @@ class CompressedConvAttention(nn.Module):
         # 3. the causal convolutions over p_t = [q~_t | k~_t]; their state is the last P vectors of p
         past = p.new_zeros(rows, P, Q + K) if conv_past is None else conv_past.to(dtype)
         p_ext = torch.cat([past, p_rows], dim=1)
-        z = self._convolve(p_ext, L, M, c).to(dtype).reshape(B, T, Hq + Hk, d)
+        z = self._convolve(p_ext, L, M, c, documents).to(dtype).reshape(B, T, Hq + Hk, d)
 
         # 4. add the mean-shared residuals back: q and k heads side by side, [B, T, Hq + Hk, d]
         qk = z + mu
@@ -243,6 +254,8 @@ class CompressedConvAttention(nn.Module):
         # 5. value shift: KV heads 0..Hk/2-1 read the current token, the rest the previous one
         v_prev = v_del_now.new_zeros(rows, 1, K // 2) if value_past is None else value_past.to(dtype)
         v_del = torch.cat([v_prev, v_del_rows[:, :-1]], dim=1).reshape(B, T, K // 2)
+        if documents is not None:  # a document's first token has no previous token
+            v_del = v_del * (documents >= 1)[..., None].to(dtype)
         v = torch.cat([v_cur, v_del], dim=-1).view(B, T, Hk, d)
 
         # 6. L2 normalisation to length sqrt(d), then the key temperature (queries: 1)
@@ -261,15 +274,20 @@ class CompressedConvAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         cache: AttentionCache | None = None,
         sequence: SequenceShard | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`rope` is (cos, sin, partner) from `RotaryEmbedding` for the positions of x's tokens. With a
         `sequence` shard, x is this device's part of a sequence; a `cache` then keeps this part's keys and
-        values (a sharded prefill)."""
+        values (a sharded prefill). `documents`: x holds packed documents, each token's position in its
+        document [B, T] (`zaya.model.documents`); then with neither a cache nor a shard."""
         B, T, _ = x_BTD.shape
+        if documents is not None and (cache is not None or sequence is not None):
+            raise ValueError("packed documents are for whole sequences: neither a decode cache nor a shard")
         conv_past, value_past = (cache.conv_state, cache.value_state) if cache is not None else (None, None)
         if sequence is not None:
             conv_past = value_past = None
-        q, k, v, conv_state, value_state = self.project(x_BTD, rope, conv_past, value_past, sequence=sequence)
+        q, k, v, conv_state, value_state = self.project(x_BTD, rope, conv_past, value_past, sequence=sequence,
+                                                         documents=documents)
         past_len = 0
         if cache is not None:
             cache.conv_state, cache.value_state = conv_state.detach(), value_state.detach()
@@ -280,7 +298,12 @@ class CompressedConvAttention(nn.Module):
                 cache.append(k, v)
         # 8. grouped-query causal attention (over the cache when decoding, over every shard's keys for a
         # sharded sequence), then W_o
-        out = sequence.attention(q, k, v) if sequence is not None else _causal_attention(q, k, v, past_len)
+        if sequence is not None:
+            out = sequence.attention(q, k, v)
+        elif documents is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(documents), enable_gqa=True)
+        else:
+            out = _causal_attention(q, k, v, past_len)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 

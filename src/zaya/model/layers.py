@@ -115,15 +115,16 @@ class RotaryEmbedding(nn.Module):
         self.partner.copy_(self._partner(self.head_dim, self.rotary_dim).to(self.partner.device))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin tables [T, head_dim] (fp32) for integer positions [T]."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :].float()
+        """cos and signed sin tables [T, head_dim] (fp32) for integer positions [T], or [B, T, head_dim] for
+        positions per row [B, T] (packed documents)."""
+        freqs = positions.float()[..., None] * self.inv_freq.float()
         cos, sin = freqs.cos(), freqs.sin()
-        keep = cos.new_ones(cos.shape[0], self.head_dim - self.rotary_dim)
+        keep = cos.new_ones(*cos.shape[:-1], self.head_dim - self.rotary_dim)
         return torch.cat([cos, cos, keep], dim=-1), torch.cat([-sin, sin, keep * 0], dim=-1)
 
 
 def apply_rotary(x_BTHd: torch.Tensor, cos_Td: torch.Tensor, sin_Td: torch.Tensor, partner_d: torch.Tensor):
-    """Rotate every head of `x` [B, T, H, d] by the tables of `RotaryEmbedding.forward`."""
-    cos = cos_Td[None, :, None, :].to(x_BTHd.dtype)
-    sin = sin_Td[None, :, None, :].to(x_BTHd.dtype)
+    """Rotate every head of `x` [B, T, H, d] by the tables of `RotaryEmbedding.forward` ([T, d] or [B, T, d])."""
+    cos = cos_Td.unsqueeze(-2).to(x_BTHd.dtype)  # broadcast over the heads (and the rows, for [T, d])
+    sin = sin_Td.unsqueeze(-2).to(x_BTHd.dtype)
     return torch.addcmul(x_BTHd * cos, x_BTHd.index_select(-1, partner_d), sin)

@@ -79,9 +79,11 @@ class ZayaBlock(nn.Module):
         sequence: SequenceShard | None = None,
         *,
         measure: bool = False,
+        documents: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The new stream, the router state, and with `measure` the routing's statistics (`RouterStats.measure`)."""
-        a = self.attn(self.attn_norm(h), rope, cache, sequence)
+        """The new stream, the router state, and with `measure` the routing's statistics (`RouterStats.measure`).
+        `documents`: h holds packed documents, each token's position in its own [B, T] (`zaya.model.documents`)."""
+        a = self.attn(self.attn_norm(h), rope, cache, sequence, documents)
         h, routing = self._after_attention(a, h, router_state)
         return h, routing.state, RouterStats.measure(routing) if measure else None
 
@@ -187,11 +189,16 @@ class Zaya(nn.Module):
         router_stats: RouterStats | None = None,
         sequence: SequenceShard | None = None,
         positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final-normed hidden states [B, T, D], before the tied LM head. With a `sequence` shard the ids
-        are this device's part of a longer sequence, at global `positions` [T]."""
+        are this device's part of a longer sequence, at global `positions` [T]. With `documents` each row holds
+        packed documents, computed as if alone: each token's position in its document [B, T]
+        (`zaya.model.documents.document_positions`), which are also its RoPE positions."""
         T = input_ids.shape[1]
-        if positions is None:
+        if documents is not None:
+            positions = documents
+        elif positions is None:
             past = cache.length if cache is not None else 0
             positions = torch.arange(past, past + T, device=input_ids.device)
         rope = (*self.rotary(positions), self.rotary.partner)
@@ -200,7 +207,7 @@ class Zaya(nn.Module):
         for i, block in enumerate(self.blocks):
             layer_cache = cache.layers[i] if cache is not None else None
             h, router_state, measured = block(h, router_state, rope, layer_cache, sequence,
-                                              measure=router_stats is not None)
+                                              measure=router_stats is not None, documents=documents)
             if measured is not None:
                 router_stats.record(i, measured, input_ids.numel())
         return self.norm(h)
@@ -221,10 +228,13 @@ class Zaya(nn.Module):
         chunk_rows: int | None = None,
         sequence: SequenceShard | None = None,
         positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Mean next-token cross-entropy of `targets` [B, T] (-100 = ignored), without materialising logits.
-        With a `sequence` shard: over this device's part of the sequence (ids, targets and their positions)."""
-        hidden = self.hidden_states(input_ids, router_stats=router_stats, sequence=sequence, positions=positions)
+        With a `sequence` shard: over this device's part of the sequence (ids, targets and their positions).
+        `documents`: packed documents kept apart (see `hidden_states`)."""
+        hidden = self.hidden_states(input_ids, router_stats=router_stats, sequence=sequence, positions=positions,
+                                    documents=documents)
         return linear_cross_entropy(
             hidden.flatten(0, 1), self.embed.weight, targets.flatten(),
             fp32_logits=self.config.fp32_logits, chunk_rows=chunk_rows,

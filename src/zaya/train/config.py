@@ -96,3 +96,4 @@ class Phase:
     lr_scale: float = 1.0  # multiplies the schedule inside this phase
     rope_theta: float = 0.0  # 0: keep the model's
     cp: int = 0  # context-parallel ranks per sequence in this phase; 0: parallel.cp
+    isolate_documents: bool | None = None  # keep packed documents apart (an SFT phase); unset: data's

@@ -8,7 +8,9 @@ checkpoint into them (a checkpoint loads on any mesh).
 
 Supervised fine-tuning needs nothing else: a chat dataset's batches carry its loss mask inside the token ids
 (`zaya.data.loss_mask`), and `micro_loss` turns the tokens left out into IGNORE_INDEX targets, so the loss (and
-the held-out loss, which goes through it too) is the mean over the assistant tokens of each micro-batch.
+the held-out loss, which goes through it too) is the mean over the assistant tokens of each micro-batch. A phase
+that keeps documents apart (`isolate_documents`) gives the model each token's position in its document, from the
+dataset's eos that ends every document (`zaya.model.documents`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from zaya.data.loader import TokenLoader
 from zaya.data.loss_mask import inputs_and_targets
 from zaya.errors import ZayaError
+from zaya.model.documents import document_positions
 from zaya.model.flops import training_flops_per_token
 from zaya.model.loss import IGNORE_INDEX
 from zaya.model.transformer import RouterStats, Zaya
@@ -40,6 +43,7 @@ class Curriculum:
         self.tokenizer: Path | None = None  # the current phase's tokenizer.json, which checkpoints carry
         self.chat_template: Path | None = None  # and its chat template, where the data are chats
         self.sequence: ContextParallel | None = None  # the cp split of the current phase (None: unsplit)
+        self.separator: int | None = None  # the eos that ends each packed document, where the phase keeps them apart
         self.flops_per_token = 0.0
 
     def phase(self, progress: Progress) -> Phase:
@@ -56,6 +60,7 @@ class Curriculum:
             model.set_rope_theta(phase.rope_theta)
         self.flops_per_token = training_flops_per_token(self.run.model, phase.seq_len)
         self.sequence = self._sequence(phase, parallel)
+        self.separator = self.loader.datasets[0].eos_id if phase.isolate_documents else None
 
     def _loader(self, progress: Progress, parallel: ParallelContext, checkpoint: Path | None) -> TokenLoader:
         phase, data = self.phase(progress), self.run.data
@@ -128,7 +133,8 @@ class Curriculum:
         inputs, targets = inputs_and_targets(micro, IGNORE_INDEX)
         cp = self.sequence
         if cp is None:
-            return model.loss(inputs, targets, router_stats=stats), 1.0
+            documents = None if self.separator is None else document_positions(inputs, self.separator)
+            return model.loss(inputs, targets, router_stats=stats, documents=documents), 1.0
         valid = targets != IGNORE_INDEX
         inputs, targets = cp.shard(inputs), cp.shard(targets)
         share = (targets != IGNORE_INDEX).sum() / valid.sum().clamp_min(1)
