@@ -240,3 +240,35 @@ def test_the_command_line(tmp_path, cli):
         (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
         code, _, err = cli("data", "build", "--input", chats, *args, "--out", tmp_path / "x", "--no-progress")
         assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err
+
+
+def test_chat_tables_build_the_same_dataset_as_json_lines(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    chats = make_chats(30)
+    plain = _build(tmp_path, chats, name="plain")
+    table = pa.table({"id": list(range(len(chats))), "messages": chats})  # list<struct<role, content>>
+    pq.write_table(table, tmp_path / "chats.parquet", row_group_size=7)
+    assert _build(tmp_path, None, name="parquet", source=tmp_path / "chats.parquet").fingerprint == plain.fingerprint
+    with pa.OSFile(str(tmp_path / "chats.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=4):
+            writer.write_batch(batch)
+    assert _build(tmp_path, None, name="arrow", source=tmp_path / "chats.arrow").fingerprint == plain.fingerprint
+    # a table whose messages are not a list of structs is one line
+    pq.write_table(pa.table({"messages": ["hello"]}), tmp_path / "text.parquet")
+    with pytest.raises(ZayaError, match=r"text.parquet: column 'messages' holds string, not a list of messages"):
+        _build(tmp_path, None, name="text", source=tmp_path / "text.parquet")
+
+
+def test_other_message_fields_reach_the_template(tmp_path):
+    template = tmp_path / "named.jinja"
+    template.write_text(
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message.name %}{{ message.name }}: {% endif %}{{ message['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", encoding="utf-8")
+    chats = [[{"role": "user", "content": "hi", "name": "alice"}, {"role": "assistant", "content": "hello"}]] * 4
+    dataset = _build(tmp_path, chats, chat_template=template)
+    tok = Tokenizer.from_file(str(open_dataset(dataset.path).tokenizer_path))
+    tokens, mask = _documents(open_dataset(dataset.path))[0]
+    assert "alice: hi" in tok.decode(tokens.tolist(), skip_special_tokens=False)
+    assert tok.decode(tokens[mask.astype(bool)].tolist(), skip_special_tokens=False).strip() == "hello<|im_end|>"

@@ -82,7 +82,7 @@ from zaya.errors import ZayaError
 
 DEFAULT_VAL_FRACTION = 0.01
 FORMATS = ("text", "chat")
-_CHAT_KINDS = ("jsonl", "json")  # chats are JSON records
+_CHAT_KINDS = ("jsonl", "json", "parquet", "arrow")  # JSON records, or tables with a `messages` column
 DEFAULT_TOKENIZER_SAMPLE_BYTES = 1 << 30
 _SPILL_DIR = ".tokens"
 _TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
@@ -208,8 +208,8 @@ def _chat_format(options: BuildOptions, files: Sequence[InputFile], tokenizer: T
         return None
     for file in files:
         if file.kind not in _CHAT_KINDS:
-            raise ZayaError(f"{file.path}: --format chat reads JSON lines (.jsonl, also .gz or .zst) and JSON "
-                            f"arrays of chats, not {file.kind} files")
+            raise ZayaError(f"{file.path}: --format chat reads JSON lines (.jsonl, also .gz or .zst), JSON arrays "
+                            f"of chats and parquet or arrow tables with a 'messages' column, not {file.kind} files")
     if options.chat_template is None:
         template, source = DEFAULT_CHAT_TEMPLATE, "the default chat template"
     else:

@@ -123,7 +123,8 @@ class ChatFormat:
 
 
 def check_messages(value: dict) -> tuple[list[dict] | None, str | None]:
-    """The messages of a chat record, as {"role", "content"} dicts, or what is wrong with them."""
+    """The messages of a chat record, or what is wrong with them. A message's other fields (`name`, ...) go to
+    the template with it, as transformers' `apply_chat_template` passes them."""
     if "messages" not in value:
         return None, "no field 'messages'"
     messages = value["messages"]
@@ -138,7 +139,7 @@ def check_messages(value: dict) -> tuple[list[dict] | None, str | None]:
             return None, f"message {i} has role {role!r}, not one of {', '.join(ROLES)}"
         if not isinstance(content, str):
             return None, f"message {i}'s content is {type(content).__name__}, not a string"
-        checked.append({"role": role, "content": content})
+        checked.append(dict(message))
     if not any(m["role"] == "assistant" for m in checked):
         return None, "no assistant message"
     return checked, None

@@ -1,10 +1,11 @@
 """Columnar inputs: parquet files, Arrow IPC files and Hugging Face `datasets` directories.
 
-Each row's text column (`--text-field`) is one document. The natural pieces are the format's own blocks:
-a parquet file's row groups, an arrow file's record batches (grouped up to the target piece size). Reading is
-batch by batch, `_ROWS` rows at a time, so a piece never sits in memory whole: arrow files are memory-mapped
-(their pages are the operating system's file cache, dropped under pressure, not the build's memory) and
-parquet row groups are decoded in batches.
+Each row's text column (`--text-field`) is one document; with `--format chat`, each row's `messages` column (a
+list of message structs, as Hugging Face chat datasets store them) is one chat. The natural pieces are the
+format's own blocks: a parquet file's row groups, an arrow file's record batches (grouped up to the target piece
+size). Reading is batch by batch, `_ROWS` rows at a time, so a piece never sits in memory whole: arrow files are
+memory-mapped (their pages are the operating system's file cache, dropped under pressure, not the build's
+memory) and parquet row groups are decoded in batches.
 
 An arrow file may be in the IPC stream format (what `datasets` writes, and what
 `load_dataset("arrow", ...)` reads) or the IPC file format (Feather v2). A `datasets` directory is what
@@ -102,15 +103,29 @@ def arrow_module(path: Path):
     return pa
 
 
-def _check_text_column(path: Path, schema, text_field: str) -> None:
+CHAT_COLUMN = "messages"  # a chat table's column: a list of {role, content, ...} structs per row
+
+
+def _column(options: ReadOptions) -> str:
+    return CHAT_COLUMN if options.chat is not None else options.text_field
+
+
+def _check_column(path: Path, schema, options: ReadOptions) -> None:
+    """The column the rows are read from exists and holds text (or, for chats, lists of messages)."""
     import pyarrow as pa  # present: the caller opened the file with it
 
-    if text_field not in schema.names:
-        raise ZayaError(f"{path}: no column '{text_field}' (columns: {', '.join(schema.names)})")
-    column_type = schema.field(text_field).type
+    name = _column(options)
+    if name not in schema.names:
+        raise ZayaError(f"{path}: no column '{name}' (columns: {', '.join(schema.names)})")
+    column_type = schema.field(name).type
+    if options.chat is not None:
+        listed = (pa.types.is_list, pa.types.is_large_list)
+        if not any(check(column_type) for check in listed) or not pa.types.is_struct(column_type.value_type):
+            raise ZayaError(f"{path}: column '{name}' holds {column_type}, not a list of messages (structs)")
+        return
     textual = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
     if not any(check(column_type) for check in textual):
-        raise ZayaError(f"{path}: column '{text_field}' holds {column_type}, not text")
+        raise ZayaError(f"{path}: column '{name}' holds {column_type}, not text")
 
 
 def _unreadable(path: Path, what: str, exc: Exception) -> ZayaError:
@@ -120,11 +135,16 @@ def _unreadable(path: Path, what: str, exc: Exception) -> ZayaError:
     return ZayaError(f"{path}: not a readable {what} file ({str(exc).splitlines()[0] if str(exc) else exc!r})")
 
 
-def _column_records(values: Iterator[list], text_field: str) -> Generator[Record, None, int]:
-    index = 0
+def _column_records(values: Iterator[list], options: ReadOptions) -> Generator[Record, None, int]:
+    index, chat = 0, options.chat
     for chunk in values:
         for value in chunk:
-            record = column_record(index, value, text_field)
+            if chat is None:
+                record = column_record(index, value, options.text_field)
+            elif value is None:
+                record = Record(index, None, f"field '{CHAT_COLUMN}' is null")
+            else:
+                record = chat.record(index, {CHAT_COLUMN: value})
             if record is not None:
                 yield record
             index += 1
@@ -145,7 +165,7 @@ def _parquet_file(path: Path):
 def parquet_pieces(file: InputFile, index: int, options: ReadOptions) -> list[Piece]:
     """One piece per row group; checks the text column first."""
     parquet = _parquet_file(file.path)
-    _check_text_column(file.path, parquet.schema_arrow, options.text_field)
+    _check_column(file.path, parquet.schema_arrow, options)
     metadata = parquet.metadata
     return [Piece(index, group, group + 1, metadata.row_group(group).total_byte_size)
             for group in range(metadata.num_row_groups)]
@@ -155,8 +175,8 @@ def parquet_stream(file: InputFile, piece: Piece, options: ReadOptions) -> Gener
     """The rows of a piece's row groups, decoded `_ROWS` at a time."""
     parquet = _parquet_file(file.path)
     batches = parquet.iter_batches(batch_size=_ROWS, row_groups=list(range(piece.start, piece.stop)),
-                                   columns=[options.text_field])
-    return (yield from _column_records(_guarded(file.path, "parquet", batches), options.text_field))
+                                   columns=[_column(options)])
+    return (yield from _column_records(_guarded(file.path, "parquet", batches), options))
 
 
 def _guarded(path: Path, what: str, batches) -> Iterator[list]:
@@ -219,7 +239,7 @@ def arrow_pieces(file: InputFile, index: int, options: ReadOptions, target_bytes
     """Consecutive record batches grouped into pieces of about `target_bytes`; checks the text column."""
     reader = _ArrowReader(file.path)
     try:
-        _check_text_column(file.path, reader.schema, options.text_field)
+        _check_column(file.path, reader.schema, options)
         pieces: list[Piece] = []
         start, size, count = 0, 0, 0
         for count, batch in enumerate(reader.batches(), start=1):
@@ -238,10 +258,9 @@ def arrow_stream(file: InputFile, piece: Piece, options: ReadOptions) -> Generat
     """The rows of a piece's record batches, `_ROWS` at a time."""
     reader = _ArrowReader(file.path)
     try:
-        _check_text_column(file.path, reader.schema, options.text_field)
-        column = reader.schema.get_field_index(options.text_field)
-        return (yield from _column_records(_sliced(reader.batches(piece.start, piece.stop), column),
-                                           options.text_field))
+        _check_column(file.path, reader.schema, options)
+        column = reader.schema.get_field_index(_column(options))
+        return (yield from _column_records(_sliced(reader.batches(piece.start, piece.stop), column), options))
     finally:
         reader.close()
 
