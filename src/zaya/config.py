@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -118,6 +119,10 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ZayaError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise ZayaError(f"{path}: a directory, not a TOML run config") from None
+    except OSError as exc:
+        raise ZayaError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ZayaError(f"{path}: not valid TOML ({exc})") from None
     for item in overrides:
@@ -252,7 +257,9 @@ def _convert(hint: Any, value: Any, source: str, key: str) -> Any:
     if hint is Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ZayaError(f"{source}: key '{key}' must be a finite number, got {value}")
     if hint in _TYPE_NAMES:
         if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
             raise ZayaError(f"{source}: key '{key}' must be {_TYPE_NAMES[hint]}, got {value!r}")
@@ -260,9 +267,19 @@ def _convert(hint: Any, value: Any, source: str, key: str) -> Any:
     raise ZayaError(f"{source}: key '{key}' has an unsupported value {value!r}")
 
 
+# Upper bounds checked before anything is built: far above any real run, low enough that a typo (an extra
+# digit, a value in the wrong unit) is refused in one line instead of filling the memory.
+LIMITS = {"train.micro_batch_size": 2**16, "train.global_batch_size": 2**24, "train.eval_batches": 2**20,
+          "data.seq_len": 2**24, "data.ramp_start": 2**24, "data.ramp_increment": 2**24, "phases.N.seq_len": 2**24,
+          "phases.N.cp": 2**12}
+
+
 def _positive(config: RunConfig, key: str, value: int | float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ZayaError(f"{config.source}: key '{key}' must be {'>= 0' if allow_zero else 'positive'}, got {value}")
+    bound = LIMITS.get(".".join("N" if part.isdigit() else part for part in key.split(".")))
+    if bound is not None and value > bound:
+        raise ZayaError(f"{config.source}: key '{key}' = {value} is above the bound {bound:,}")
 
 
 def _validate(config: RunConfig) -> None:
@@ -292,7 +309,13 @@ def _validate(config: RunConfig) -> None:
     if train.global_batch_size % train.micro_batch_size:
         raise ZayaError(f"{config.source}: train.global_batch_size ({train.global_batch_size}) is not a multiple of "
                         f"train.micro_batch_size ({train.micro_batch_size})")
+    if not 0 <= train.seed < 2**63:
+        raise ZayaError(f"{config.source}: key 'train.seed' must be in [0, 2**63), got {train.seed}")
+    for key in ("kp", "ki", "kd"):
+        _positive(config, f"balance.{key}", getattr(config.balance, key), allow_zero=True)
     _positive(config, "data.seq_len", config.data.seq_len)
+    for key in ("ramp_start", "ramp_increment", "ramp_samples"):
+        _positive(config, f"data.{key}", getattr(config.data, key), allow_zero=True)
     _positive(config, "data.block_size", config.data.block_size)
     _positive(config, "data.group_blocks", config.data.group_blocks)
     _positive(config, "checkpoint.every", config.checkpoint.every)

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from zaya.errors import ZayaError
+
 
 def tune_host_allocator() -> bool:
     """Keep freed host memory in the process instead of returning it to the kernel (glibc only).
@@ -41,8 +43,24 @@ def default_device() -> torch.device:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """`None` means the default device; strings such as "cpu" or "cuda:1" are parsed."""
-    return default_device() if device is None else torch.device(device)
+    """`None` means the default device; strings such as "cpu" or "cuda:1" are parsed, and refused in one line
+    (`ZayaError`) when they name no device or one this machine does not have."""
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ZayaError(f"device {device!r}: not a device name (cpu, cuda, cuda:1, ...)") from None
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ZayaError(f"device {str(device)!r}: this machine has no GPU that torch can use (a CPU build of "
+                            "torch, or no driver)")
+        if resolved.index is not None and resolved.index >= count:
+            raise ZayaError(f"device {str(device)!r}: this machine has {count} GPU(s), numbered from 0")
+    elif resolved.type not in ("cpu", "meta"):
+        raise ZayaError(f"device {str(device)!r}: zaya runs on cpu and cuda (ROCm too) devices")
+    return resolved
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:

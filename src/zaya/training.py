@@ -26,6 +26,8 @@ import torch
 
 from zaya.config import RunConfig
 from zaya.device import auto_precision, compiles_training, fast_bf16_matmul, rank_device, resolve_device
+from zaya.errors import ZayaError
+from zaya.locking import DirectoryLock
 from zaya.parallel.launch import Launch
 from zaya.parallel.mesh import backend_for
 from zaya.plan.devices import peak_flops
@@ -63,6 +65,7 @@ class TrainingJob:
     allow_data_change: bool
     init_from: WeightSource | None = None  # the weights a fresh run starts from
     notes: tuple[str, ...] = ()  # what the checks found worth saying: the trainer says it at its start
+    lock: DirectoryLock | None = None  # rank 0's hold on the run directory, handed to the trainer
 
     @classmethod
     def check(cls, config: RunConfig, run_dir: Path, *, launch: Launch, environ: Mapping[str, str],
@@ -70,8 +73,24 @@ class TrainingJob:
               measure_bf16: Callable[[torch.device], bool] = fast_bf16_matmul) -> TrainingJob:
         """Resolve and check the run on this rank (inside the job's start-up check: a `ZayaError` here stops every
         rank). `measure_bf16` says whether bf16 matmuls are fast on the device (`zaya.device.fast_bf16_matmul`)."""
-        train = config.train
         launch.init_timeout_s = config.parallel.init_timeout_s  # how long the start-up check waits for the others
+        if Path(run_dir).exists() and not Path(run_dir).is_dir():
+            raise ZayaError(f"{run_dir}: the run directory is a file")
+        # one job per run directory: rank 0 holds it from before the checkpoints are looked at (a bad one is set
+        # aside) until the run ends
+        lock = DirectoryLock(Path(run_dir), "zaya train").acquire() if launch.rank == 0 else None
+        try:
+            return cls._check(config, run_dir, launch, environ, allow_data_change, allow_tokenizer_change,
+                              measure_bf16, lock)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+
+    @classmethod
+    def _check(cls, config, run_dir, launch, environ, allow_data_change, allow_tokenizer_change, measure_bf16,
+               lock) -> TrainingJob:
+        train = config.train
         device = rank_device(resolve_device(None if train.device == "auto" else train.device), launch.local_rank)
         supervision = Supervision.from_environ(environ)
         policy = Policy.load(supervision.policy_file)
@@ -88,7 +107,7 @@ class TrainingJob:
         notes = check_inputs(run, resume_from, allow_data_change, allow_tokenizer_change)
         init_from, init_notes = init_source(run, resume_from)
         return cls(config, Path(run_dir), launch, environ, device, supervision, policy, resume_from, recorded, run,
-                   allow_data_change, init_from, tuple(notes + init_notes))
+                   allow_data_change, init_from, tuple(notes + init_notes), lock)
 
     def trainer(self, **setup) -> Trainer:
         """The trainer, once every rank passed the start-up check: the ranks agree on a measured precision
@@ -118,6 +137,7 @@ class TrainingJob:
             hooks=Hooks(listeners, scales), origin=time_origin(self.environ),
             wandb_environ_mode=self.environ.get("WANDB_MODE", ""),
             forecast=Forecast.for_run(run, self.device, launch.local_world_size, table), report_plots=report_plots,
+            lock=self.lock,
         )
         return Trainer(run, dataclasses.replace(trainer_setup, **setup))
 

@@ -57,10 +57,11 @@ def model_dir_kind(path: Path) -> str:
 
 
 def resolve_model_dir(path: str | Path) -> tuple[Path, str]:
-    """(directory to load, 'checkpoint' or 'hf'): a run directory resolves to its newest valid checkpoint."""
+    """(directory to load, 'checkpoint' or 'hf'): a run directory resolves to its newest valid checkpoint, a
+    checkpoint is verified against its manifests (a damaged one raises `ZayaError` naming the file)."""
     path = Path(path)
     kind = model_dir_kind(path)
-    if kind == "run":
+    if kind in ("run", "checkpoint"):
         return checkpoint.resolve_checkpoint(path), "checkpoint"
     return path, kind
 

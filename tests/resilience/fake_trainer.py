@@ -2,12 +2,16 @@
 supervisor's settings from its environment as `zaya train` does, writes the same heartbeats, and fails or stops
 the way it is told, in a fraction of a second (it imports no torch).
 
-    python fake_trainer.py --steps 12 [--crash-at 4 --line "Xid ..."] [--stop-at 3]
+    python fake_trainer.py --steps 12 [--crash-at 4 --line "Xid ..."] [--stop-at 3] [--spoof-pid PID]
+
+--spoof-pid writes heartbeats no rank of ours wrote beside its own: one of rank 1 with PID and a time long past
+(a hang, whose process is not ours), a malformed one and one that is not JSON; then it waits to be stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -23,9 +27,19 @@ def main() -> int:
     parser.add_argument("--crash-at", type=int, default=None, help="exit 1 before this step")
     parser.add_argument("--line", default="", help="what to print on stderr before crashing")
     parser.add_argument("--stop-at", type=int, default=None, help="stop early after this step, as on max_time_s")
+    parser.add_argument("--spoof-pid", type=int, default=None, help="write foreign heartbeats, then wait")
     args = parser.parse_args()
-    beat = Heartbeat(Supervision.from_environ(os.environ).heartbeat_dir, rank=0)
+    directory = Supervision.from_environ(os.environ).heartbeat_dir
+    beat = Heartbeat(directory, rank=0)
     beat("init", 0)
+    if args.spoof_pid is not None:
+        spoofed = {"rank": 1, "pid": args.spoof_pid, "section": "step", "step": 0, "time": time.time() - 1e4}
+        (directory / "rank-1.json").write_text(json.dumps(spoofed))
+        (directory / "rank-2.json").write_text(json.dumps({"rank": 2, "pid": "1"}))
+        (directory / "rank-3.json").write_text("not json")
+        while True:
+            beat("step", 0)
+            time.sleep(0.1)
     for step in range(args.steps):
         beat("step", step)
         if step == args.crash_at:

@@ -312,3 +312,29 @@ def test_a_run_that_stops_for_its_time_limit_is_not_restarted(tmp_path):
     result, _, incidents = _supervise(tmp_path, _fake_trainer("--stop-at", "3"), timeout=60)
     assert result.returncode == EXIT_PREEMPTED, result.stdout[-3000:] + result.stderr[-3000:]
     assert incidents == [] and "stopped early with a checkpoint" in result.stdout
+
+
+def test_heartbeats_the_supervisor_did_not_cause_are_never_trusted(tmp_path):
+    # a process of someone else's, named in a heartbeat that looks hung: the supervisor stops its own group and
+    # signals nothing else; malformed heartbeat files beside it are ignored, not a crash
+    foreign = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        policy = POLICY + '[[rule]]\nsignal = "hang"\naction = "stop"\n'
+        result, _, incidents = _supervise(tmp_path, _fake_trainer("--spoof-pid", str(foreign.pid)), policy=policy,
+                                          timeout=120)
+        assert result.returncode == EXIT_STOPPED, result.stdout[-3000:]
+        (stopped,) = incidents
+        assert stopped["signal"] == "hang" and f"process {foreign.pid}" in stopped["evidence"][0]
+        assert "Traceback" not in result.stdout
+        assert process_state(foreign.pid) in ("S", "R")  # alive: not ours to kill
+    finally:
+        foreign.kill()
+        foreign.wait()
+
+
+@pytest.mark.parametrize("node", ["../../x", "a/b", ".."])
+def test_a_node_name_that_is_not_a_plain_name_is_one_line(tmp_path, capsys, node):
+    code = main(["supervise", "--state-dir", str(tmp_path / "state"), "--node", node, "--", *_sleeper(1)])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and "a node name is letters, digits" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists() and not (tmp_path / "state" / "heartbeats").exists()

@@ -95,6 +95,12 @@ def read_metadata(directory: Path) -> Metadata:
     unsafe = [fqn for fqn, meta in metadata.state_dict_metadata.items() if isinstance(meta, BytesStorageMetadata)]
     if unsafe:
         raise ZayaError(f"{path}: entry '{unsafe[0]}' is a pickled object; only tensors are loaded")
+    inside = Path(directory).resolve()
+    for storage in (metadata.storage_data or {}).values():
+        relative = getattr(storage, "relative_path", None)
+        if not isinstance(relative, str) or Path(relative).is_absolute() or not (
+                inside / relative).resolve().is_relative_to(inside):
+            raise ZayaError(f"{path}: storage path {relative!r} lies outside the checkpoint")
     return metadata
 
 
@@ -134,11 +140,18 @@ def write_manifest(directory: Path, rank: int, names: Iterable[str]) -> None:
     write_json(directory / manifest_name(rank), {"rank": rank, "files": files})
 
 
+MAX_WORLD_SIZE = 1 << 20  # ranks a checkpoint may say it was written by
+
+
 def verify_checkpoint(directory: Path) -> None:
     """Raise `ZayaError` naming the first manifest or file that is missing, truncated or altered."""
     directory = Path(directory)
     info = read_json(directory / INFO_FILE)
     world_size = info.get("world_size", 1)
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ZayaError(f"{directory / INFO_FILE}: field 'world_size' must be an integer in 1..{MAX_WORLD_SIZE}, "
+                        f"got {world_size!r}")
+    inside = directory.resolve()
     for rank in range(world_size):
         manifest_path = directory / manifest_name(rank)
         files = read_json(manifest_path).get("files")
@@ -146,6 +159,10 @@ def verify_checkpoint(directory: Path) -> None:
             raise ZayaError(f"{manifest_path}: missing field 'files'")
         for name, entry in files.items():
             path = directory / name
+            if Path(name).is_absolute() or not path.resolve().is_relative_to(inside):
+                raise ZayaError(f"{manifest_path}: lists {name!r}, a path outside the checkpoint")
+            if not isinstance(entry, dict):
+                raise ZayaError(f"{manifest_path}: the entry of {name!r} is not an object")
             if not path.is_file():
                 raise ZayaError(f"{path}: listed in {manifest_path.name} but missing")
             if path.stat().st_size != entry.get("bytes"):

@@ -239,8 +239,9 @@ class CheckpointManager:
             for path in self.root.glob("step_*.tmp"):
                 shutil.rmtree(path, ignore_errors=True)
 
-    def newest_valid(self, log: Callable[[str], None] = print) -> Path | None:
-        """The newest checkpoint that validates; invalid ones are renamed `*.bad` (by rank 0) and skipped."""
+    def newest_valid(self, log: Callable[[str], None] = print, set_aside: bool = True) -> Path | None:
+        """The newest checkpoint that validates; invalid ones are skipped, and renamed `*.bad` (by rank 0) with
+        `set_aside` (training does; a command that only reads changes nothing)."""
         candidates = list(reversed(self.committed()))
         pointer = self.root / LATEST_FILE
         if pointer.is_file():
@@ -254,6 +255,9 @@ class CheckpointManager:
                 read_metadata(candidate)
                 return candidate
             except ZayaError as exc:
+                if not set_aside:
+                    log(f"checkpoint {candidate.name} is invalid ({exc}); trying an older one")
+                    continue
                 log(f"checkpoint {candidate.name} is invalid ({exc}); renaming it to .bad and trying an older one")
                 if self.rank == 0:
                     candidate.rename(_unused_name(candidate.with_name(candidate.name + ".bad")))
@@ -261,13 +265,16 @@ class CheckpointManager:
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory itself, or the newest valid checkpoint of a run or checkpoints directory."""
+    """A checkpoint directory itself, verified (a damaged one raises `ZayaError` naming the file), or the newest
+    valid checkpoint of a run or checkpoints directory. Reads only: nothing is renamed."""
     path = Path(path)
     if is_checkpoint(path):
+        verify_checkpoint(path)
+        read_metadata(path)
         return path
     for root in (path / CHECKPOINTS_DIR, path):
         if (root / LATEST_FILE).is_file() or any(root.glob("step_*")):
-            found = CheckpointManager(root, keep=1 << 30).newest_valid(log=lambda _msg: None)
+            found = CheckpointManager(root, keep=1 << 30).newest_valid(log=lambda _msg: None, set_aside=False)
             if found is not None:
                 return found
             raise ZayaError(f"{path}: no valid checkpoint")

@@ -21,6 +21,7 @@ import numpy as np
 from zaya.data.shards import DEFAULT_SHARD_TOKENS, DTYPES, FORMAT, MANIFEST_FILE, SPLITS, VERSION
 from zaya.data.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 from zaya.errors import ZayaError
+from zaya.locking import DirectoryLock
 
 
 @contextlib.contextmanager
@@ -28,32 +29,36 @@ def staged_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     """A fresh directory beside `out` that becomes `out` when the block finishes, and vanishes if it fails.
 
     An existing `out` is replaced only with `overwrite`, and only if it is a dataset or empty, so a mistyped
-    path cannot delete unrelated files."""
+    path cannot delete unrelated files. One build writes `out` at a time (`zaya.locking`); holding the lock, the
+    build removes what killed builds into the same place left beside it."""
     out = Path(out)
-    if out.exists():
-        if not overwrite:
-            raise ZayaError(f"{out}: already exists; pass --overwrite to replace it")
-        if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_FILE).is_file()):
-            raise ZayaError(f"{out}: exists and is not a dataset; refusing to replace it")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # mkdir, unlike mkdtemp, honours the umask: the renamed directory gets ordinary permissions
-        staging = out.parent / f".{out.name}.partial-{secrets.token_hex(6)}"
-        staging.mkdir()
-    except OSError as exc:
-        raise ZayaError(f"{out}: cannot create ({exc.strerror})") from None
-    try:
-        yield staging
+    with DirectoryLock(out, "zaya data build"):
         if out.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.rename(retired / "dataset")
-            staging.rename(out)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            staging.rename(out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+            if not overwrite:
+                raise ZayaError(f"{out}: already exists; pass --overwrite to replace it")
+            if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_FILE).is_file()):
+                raise ZayaError(f"{out}: exists and is not a dataset; refusing to replace it")
+        for stale in (*out.parent.glob(f".{out.name}.partial-*"), *out.parent.glob(f".{out.name}.old-*")):
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            # mkdir, unlike mkdtemp, honours the umask: the renamed directory gets ordinary permissions
+            staging = out.parent / f".{out.name}.partial-{secrets.token_hex(6)}"
+            staging.mkdir()
+        except OSError as exc:
+            raise ZayaError(f"{out}: cannot create ({exc.strerror})") from None
+        try:
+            yield staging
+            if out.exists():
+                retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+                out.rename(retired / "dataset")
+                staging.rename(out)
+                shutil.rmtree(retired, ignore_errors=True)
+            else:
+                staging.rename(out)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 class _SplitWriter:

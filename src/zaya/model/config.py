@@ -16,6 +16,16 @@ from zaya.errors import ZayaError
 SkipRoute = Literal["zero", "identity"]
 
 
+# Upper bounds on the shape fields, checked before anything is counted or allocated: far above any model this
+# code can train (ZAYA1-base: vocabulary 262,272, width 2,048, 40 blocks, 16 experts), low enough that a stray
+# digit is one line instead of a process that fills the memory (even `zaya params` loops over the layers).
+SIZE_LIMITS = {
+    "vocab_size": 2**24, "hidden_size": 2**17, "num_hidden_layers": 2**12, "num_attention_heads": 2**12,
+    "num_key_value_heads": 2**12, "head_dim": 2**12, "num_experts": 2**14, "moe_intermediate_size": 2**20,
+    "router_hidden_size": 2**16, "cca_time0": 2**6, "cca_time1": 2**6, "max_position_embeddings": 2**26,
+}
+
+
 @dataclass
 class ZayaConfig:
     """Shape of a ZAYA1-style model (native 40-block form: one CCGQA attention + one MoE sublayer per block)."""
@@ -98,6 +108,8 @@ class ZayaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ZayaError(f"{source}: field '{name}' must be a positive integer, got {value!r}")
+            if value > SIZE_LIMITS[name]:
+                raise ZayaError(f"{source}: field '{name}' = {value:,} is above the bound {SIZE_LIMITS[name]:,}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ZayaError(
                 f"{source}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "

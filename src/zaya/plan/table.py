@@ -302,14 +302,14 @@ class EfficiencyTable:
         """Read a table `save` wrote; a missing, garbled or outdated file raises `ZayaError` naming it."""
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_bytes()
         except FileNotFoundError:
             raise ZayaError(f"{path}: no such GEMM table: run `zaya shapes` first") from None
         except OSError as exc:
             raise ZayaError(f"{path}: cannot read the GEMM table ({exc.strerror})") from None
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # not JSON, or not UTF-8
             raise ZayaError(f"{path}: not valid JSON ({exc}): rerun `zaya shapes`") from None
         return cls.from_dict(data, source=str(path))
 

@@ -21,6 +21,7 @@ real step time: a 1 s step is declared hung after a few seconds, not after the 3
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections import deque
@@ -102,6 +103,21 @@ class HeartbeatSettings:
         return calibrated, f"{self.factor:g} x longest recent {longest[section]:.2f} s"
 
 
+def valid_beat(record) -> bool:
+    """Whether `record` has every field of a heartbeat with a value of its type (a file in the directory that is
+    not one of ours is ignored, never trusted)."""
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    def seconds(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    return (isinstance(record, dict) and count(record.get("rank")) and count(record.get("pid"))
+            and record["pid"] > 0 and isinstance(record.get("section"), str) and isinstance(record.get("step"), int)
+            and seconds(record.get("time")) and isinstance(record.get("longest", {}), dict)
+            and all(isinstance(k, str) and seconds(v) and v >= 0 for k, v in record.get("longest", {}).items()))
+
+
 def read_beats(directory: Path) -> dict[int, dict]:
     """Every rank's latest heartbeat in `directory`, by rank (files being replaced are simply skipped)."""
     beats = {}
@@ -110,9 +126,10 @@ def read_beats(directory: Path) -> dict[int, dict]:
     for path in directory.glob("rank-*.json"):
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
-            beats[int(record["rank"])] = record
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError):
             continue  # a torn read cannot happen (rename), but a file from a foreign writer might
+        if valid_beat(record):
+            beats[record["rank"]] = record
     return beats
 
 

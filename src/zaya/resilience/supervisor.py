@@ -37,6 +37,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -56,6 +57,7 @@ from zaya.errors import (
     EXIT_PREEMPTED,
     EXIT_STOPPED,
     STOPPED_LINE,
+    ZayaError,
 )
 from zaya.resilience.command import WorkerCommand
 from zaya.resilience.diagnose import classify_lines
@@ -91,6 +93,9 @@ class Supervisor:
         self.policy_file = policy_file
         self.state_dir = Path(state_dir)
         self.node = node or socket.gethostname()
+        if not _NODE_NAME.fullmatch(self.node) or self.node in (".", ".."):
+            raise ZayaError(f"--node {self.node!r}: a node name is letters, digits, '.', '_' and '-' (it names "
+                            "directories of the state directory)")
         self.say = say
         self.incidents = IncidentLog(self.state_dir / INCIDENTS_FILE)
         self.probes = build_probes(policy.probes)
@@ -348,6 +353,15 @@ def _libc_prctl():
 
 _PRCTL = _libc_prctl()
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+_NODE_NAME = re.compile(r"[A-Za-z0-9._-]{1,253}")
+
+
+def _adopt_orphans() -> None:
+    """Become the subreaper of the groups we start: a worker whose torchrun died is reparented to us, not to init,
+    so it stays in our process tree, the only processes we ever signal."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def _die_with_us() -> None:
@@ -369,7 +383,10 @@ def _tee(stream, path: Path, tail: collections.deque) -> None:
 def _kill(process: subprocess.Popen, watcher: HeartbeatWatcher, *, graceful: bool, grace: float) -> None:
     """End the whole group: SIGTERM and `grace` seconds to exit (unless it is hung), then SIGKILL for all."""
     victims = {process.pid, *descendants(process.pid)}
-    victims |= {int(b["pid"]) for b in watcher.beats().values() if process_state(int(b["pid"]))}
+    # ranks orphaned by a dead torchrun: found by their heartbeats, signalled only if they are ours (a heartbeat
+    # file holds whatever pid was written into it)
+    ours = set(descendants(os.getpid()))
+    victims |= {beat["pid"] for beat in watcher.beats().values() if beat["pid"] in ours}
     if graceful and process.poll() is None:
         signal_all(victims, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -396,6 +413,7 @@ def supervise(command: list[str], policy_file: Path | None, state_dir: Path | No
               environ: Mapping[str, str]) -> int:
     """What `zaya supervise` does: load the policy, check the command, supervise; returns the exit code."""
     policy = Policy.load(policy_file)
+    _adopt_orphans()
     supervisor = Supervisor(command, policy, state_dir or default_state_dir(command), environ=dict(environ),
                             node=node, policy_file=policy_file)
     return supervisor.run()

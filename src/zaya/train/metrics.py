@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
+from zaya.errors import ZayaError
 from zaya.run_dir import METRICS_FILE, TENSORBOARD_DIR
 
 # the seconds bar: no rate (it would read "1.00s/s"); the step goes in the postfix
@@ -32,11 +33,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().splitlines():
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+            row = json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8
+            row = None
+        if not isinstance(row, dict):
+            if not rows and line.strip():
+                raise ZayaError(f"{path}: not a metrics log (its first line is not a JSON object)")
             break
+        rows.append(row)
     return rows
 
 

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from zaya.locking import DirectoryLock
 from zaya.parallel.launch import Launch
 from zaya.resilience.policy import Policy
 from zaya.train.hooks import Hooks
@@ -51,3 +52,4 @@ class TrainerSetup:
     wandb_environ_mode: str = ""  # the environment's WANDB_MODE (logging.wandb_mode wins over it)
     forecast: Forecast | None = None
     report_plots: Callable[[Path], dict[str, Path]] | None = None  # the report's plots, for W&B at the end
+    lock: DirectoryLock | None = None  # rank 0's hold on the run directory, released when `run` ends

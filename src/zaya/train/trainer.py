@@ -399,6 +399,8 @@ class Trainer:
         finally:
             if self.parallel is not None:
                 self.parallel.close()
+            if self.setup.lock is not None:
+                self.setup.lock.release()
 
     def _loop(self) -> dict:
         train, logging = self.config.train, self.config.logging

@@ -1,0 +1,159 @@
+"""A corpus of bad inputs: each is one line on stderr, a non-zero exit, no traceback, and a command that only reads
+changes no file. The cases follow the hardening probe's findings (non-finite and out-of-range config values,
+unbounded sizes, devices, paths of the wrong kind, garbled files, damaged checkpoints)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from runs import write_config
+from zaya.config import load_config
+from zaya.training import build_trainer
+
+
+@pytest.fixture(scope="module")
+def trained(dataset, tmp_path_factory):
+    """A config and the run it trained (two steps of `micro`, one checkpoint)."""
+    root = tmp_path_factory.mktemp("bad")
+    config = write_config(root / "run.toml", dataset, train={"max_steps": 2, "eval_every": 0},
+                          checkpoint={"every": 2, "keep": 1}, schedule={"warmup_steps": 1})
+    build_trainer(load_config(config), root / "run").run()
+    return config, root / "run"
+
+
+def _snapshot(root: Path) -> dict:
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes() if p.stat().st_size < 1 << 16 else None)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _one_line(capsys, args, match: str) -> None:
+    code, _, err = run_cli(args, capsys)
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert code != 0, args
+    assert len(lines) == 1 and lines[0].startswith("zaya: error: "), (args, err)
+    assert "Traceback" not in err
+    assert match in lines[0], (match, lines[0])
+
+
+CONFIG_VALUES = [
+    ("balance.ki=nan", "key 'balance.ki' must be a finite number, got nan"),
+    ("balance.kp=inf", "key 'balance.kp' must be a finite number, got inf"),
+    ("balance.kd=-0.5", "key 'balance.kd' must be >= 0, got -0.5"),
+    ("train.grad_clip=nan", "key 'train.grad_clip' must be a finite number"),
+    ("train.max_time_s=nan", "key 'train.max_time_s' must be a finite number"),
+    ("train.time_budget_s=inf", "key 'train.time_budget_s' must be a finite number"),
+    ("data.ramp_start=-3", "key 'data.ramp_start' must be >= 0, got -3"),
+    ("train.seed=-1", "key 'train.seed' must be in [0, 2**63)"),
+    ("optim.lr=nan", "key 'optim.lr' must be a finite number"),
+    ("train.micro_batch_size=100000000", "key 'train.micro_batch_size' = 100000000 is above the bound 65,536"),
+    ("model.num_hidden_layers=10000000", "field 'num_hidden_layers' = 10,000,000 is above the bound 4,096"),
+    ("model.vocab_size=1000000000000", "field 'vocab_size' = 1,000,000,000,000 is above the bound"),
+    ("model.num_attention_heads=0", "field 'num_attention_heads' must be a positive integer, got 0"),
+    ("model.head_dim=2147483648", "field 'head_dim' = 2,147,483,648 is above the bound 4,096"),
+    ("model.rope_theta=nan", "field 'rope_theta' must be a positive number"),
+]
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+@pytest.mark.parametrize(("override", "match"), CONFIG_VALUES, ids=[o for o, _ in CONFIG_VALUES])
+def test_config_values_that_cannot_train_are_one_line(trained, capsys, tmp_path, command, override, match):
+    config, _ = trained
+    args = [command, config, "--set", override]
+    _one_line(capsys, args + (["--run-dir", tmp_path / "run"] if command == "train" else []), match)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_directory_with_unbounded_sizes_is_one_line(trained, capsys, tmp_path):
+    hf = tmp_path / "hf"
+    assert run_cli(["convert", trained[1], hf], capsys)[0] == 0
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10_000_000}))
+    before = _snapshot(hf)
+    _one_line(capsys, ["params", hf], "is above the bound 4,096")
+    _one_line(capsys, ["generate", "--model", hf, "--prompt-ids", "5"], "is above the bound 4,096")
+    assert _snapshot(hf) == before
+
+
+def test_devices_this_machine_does_not_have_are_one_line(trained, capsys):
+    _, run = trained
+    before = _snapshot(run)
+    _one_line(capsys, ["generate", "--model", run, "--device", "bogus", "--prompt-ids", "5,6"],
+              "device 'bogus': not a device name")
+    _one_line(capsys, ["generate", "--model", run, "--device", "cuda:3", "--prompt-ids", "5,6"], "device 'cuda:3'")
+    assert _snapshot(run) == before
+
+
+def test_paths_of_the_wrong_kind_are_one_line(trained, capsys, tmp_path):
+    config, _ = trained
+    _one_line(capsys, ["train", tmp_path, "--run-dir", tmp_path / "r"], "a directory, not a TOML run config")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    _one_line(capsys, ["train", config, "--run-dir", afile], f"{afile}: the run directory is a file")
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(bytes(range(256)) * 3)
+    _one_line(capsys, ["plan", config, "--device", "local", "--table", garbage], "garbage.bin: not valid JSON")
+    binary = tmp_path / "binary_run"
+    binary.mkdir()
+    (binary / "metrics.jsonl").write_bytes(b"\x00\x01binary\xff\n")
+    _one_line(capsys, ["report", binary], "metrics.jsonl: not a metrics log")
+
+
+def _damaged_copy(run: Path, tmp_path: Path, damage) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    (checkpoint,) = (copy / "checkpoints").glob("step_*")
+    damage(checkpoint)
+    return copy
+
+
+def _flip_bytes(checkpoint: Path) -> None:
+    shard = max((p for p in checkpoint.glob("*.distcp")), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    for i in range(16):
+        data[len(data) // 2 + i] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def _edit_json(name: str, edit):
+    def damage(checkpoint: Path) -> None:
+        path = checkpoint / name
+        data = json.loads(path.read_text())
+        edit(data)
+        path.write_text(json.dumps(data))
+    return damage
+
+
+def _outside_path(data: dict) -> None:
+    name = next(iter(data["files"]))
+    data["files"]["../../outside"] = data["files"].pop(name)
+
+
+DAMAGE = {
+    "flipped bytes": (_flip_bytes, "checksum does not match manifest.rank0.json"),
+    "a string world size": (_edit_json("zaya.json", lambda d: d.update(world_size="2")),
+                            "field 'world_size' must be an integer"),
+    "a zero world size": (_edit_json("zaya.json", lambda d: d.update(world_size=0)),
+                          "field 'world_size' must be an integer"),
+    "a path outside": (_edit_json("manifest.rank0.json", _outside_path), "a path outside the checkpoint"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
+def test_readers_refuse_a_damaged_checkpoint_and_change_nothing(trained, capsys, tmp_path, damage):
+    _, run = trained
+    damage_fn, match = DAMAGE[damage]
+    copy = _damaged_copy(run, tmp_path, damage_fn)
+    (checkpoint,) = (copy / "checkpoints").glob("step_*")
+    before = _snapshot(copy)
+    _one_line(capsys, ["convert", checkpoint, tmp_path / "hf"], match)
+    _one_line(capsys, ["generate", "--model", checkpoint, "--prompt-ids", "5,6", "--max-new-tokens", "2"], match)
+    # given the run, a reader finds no valid checkpoint and renames nothing
+    _one_line(capsys, ["convert", copy, tmp_path / "hf"], "no valid checkpoint")
+    _one_line(capsys, ["generate", "--model", copy, "--prompt-ids", "5,6", "--max-new-tokens", "2"],
+              "no valid checkpoint")
+    assert _snapshot(copy) == before and not (tmp_path / "hf").exists()
