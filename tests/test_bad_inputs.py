@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
 from runs import write_config
 from zaya.config import load_config
 from zaya.training import build_trainer
@@ -31,8 +30,8 @@ def _snapshot(root: Path) -> dict:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _one_line(capsys, args, match: str) -> None:
-    code, _, err = run_cli(args, capsys)
+def _one_line(cli, args, match: str) -> None:
+    code, _, err = cli(*args)
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
     assert code != 0, args
     assert len(lines) == 1 and lines[0].startswith("zaya: error: "), (args, err)
@@ -61,46 +60,46 @@ CONFIG_VALUES = [
 
 @pytest.mark.parametrize("command", ["train", "plan"])
 @pytest.mark.parametrize(("override", "match"), CONFIG_VALUES, ids=[o for o, _ in CONFIG_VALUES])
-def test_config_values_that_cannot_train_are_one_line(trained, capsys, tmp_path, command, override, match):
+def test_config_values_that_cannot_train_are_one_line(trained, cli, tmp_path, command, override, match):
     config, _ = trained
     args = [command, config, "--set", override]
-    _one_line(capsys, args + (["--run-dir", tmp_path / "run"] if command == "train" else []), match)
+    _one_line(cli, args + (["--run-dir", tmp_path / "run"] if command == "train" else []), match)
     assert not (tmp_path / "run").exists()
 
 
-def test_a_model_directory_with_unbounded_sizes_is_one_line(trained, capsys, tmp_path):
+def test_a_model_directory_with_unbounded_sizes_is_one_line(trained, cli, tmp_path):
     hf = tmp_path / "hf"
-    assert run_cli(["convert", trained[1], hf], capsys)[0] == 0
+    assert cli("convert", trained[1], hf)[0] == 0
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10_000_000}))
     before = _snapshot(hf)
-    _one_line(capsys, ["params", hf], "is above the bound 4,096")
-    _one_line(capsys, ["generate", "--model", hf, "--prompt-ids", "5"], "is above the bound 4,096")
+    _one_line(cli, ["params", hf], "is above the bound 4,096")
+    _one_line(cli, ["generate", "--model", hf, "--prompt-ids", "5"], "is above the bound 4,096")
     assert _snapshot(hf) == before
 
 
-def test_devices_this_machine_does_not_have_are_one_line(trained, capsys):
+def test_devices_this_machine_does_not_have_are_one_line(trained, cli):
     _, run = trained
     before = _snapshot(run)
-    _one_line(capsys, ["generate", "--model", run, "--device", "bogus", "--prompt-ids", "5,6"],
+    _one_line(cli, ["generate", "--model", run, "--device", "bogus", "--prompt-ids", "5,6"],
               "device 'bogus': not a device name")
-    _one_line(capsys, ["generate", "--model", run, "--device", "cuda:3", "--prompt-ids", "5,6"], "device 'cuda:3'")
+    _one_line(cli, ["generate", "--model", run, "--device", "cuda:3", "--prompt-ids", "5,6"], "device 'cuda:3'")
     assert _snapshot(run) == before
 
 
-def test_paths_of_the_wrong_kind_are_one_line(trained, capsys, tmp_path):
+def test_paths_of_the_wrong_kind_are_one_line(trained, cli, tmp_path):
     config, _ = trained
-    _one_line(capsys, ["train", tmp_path, "--run-dir", tmp_path / "r"], "a directory, not a TOML run config")
+    _one_line(cli, ["train", tmp_path, "--run-dir", tmp_path / "r"], "a directory, not a TOML run config")
     afile = tmp_path / "afile"
     afile.write_text("x")
-    _one_line(capsys, ["train", config, "--run-dir", afile], f"{afile}: the run directory is a file")
+    _one_line(cli, ["train", config, "--run-dir", afile], f"{afile}: the run directory is a file")
     garbage = tmp_path / "garbage.bin"
     garbage.write_bytes(bytes(range(256)) * 3)
-    _one_line(capsys, ["plan", config, "--device", "local", "--table", garbage], "garbage.bin: not valid JSON")
+    _one_line(cli, ["plan", config, "--device", "local", "--table", garbage], "garbage.bin: not valid JSON")
     binary = tmp_path / "binary_run"
     binary.mkdir()
     (binary / "metrics.jsonl").write_bytes(b"\x00\x01binary\xff\n")
-    _one_line(capsys, ["report", binary], "metrics.jsonl: not a metrics log")
+    _one_line(cli, ["report", binary], "metrics.jsonl: not a metrics log")
 
 
 def _damaged_copy(run: Path, tmp_path: Path, damage) -> Path:
@@ -144,16 +143,16 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
-def test_readers_refuse_a_damaged_checkpoint_and_change_nothing(trained, capsys, tmp_path, damage):
+def test_readers_refuse_a_damaged_checkpoint_and_change_nothing(trained, cli, tmp_path, damage):
     _, run = trained
     damage_fn, match = DAMAGE[damage]
     copy = _damaged_copy(run, tmp_path, damage_fn)
     (checkpoint,) = (copy / "checkpoints").glob("step_*")
     before = _snapshot(copy)
-    _one_line(capsys, ["convert", checkpoint, tmp_path / "hf"], match)
-    _one_line(capsys, ["generate", "--model", checkpoint, "--prompt-ids", "5,6", "--max-new-tokens", "2"], match)
+    _one_line(cli, ["convert", checkpoint, tmp_path / "hf"], match)
+    _one_line(cli, ["generate", "--model", checkpoint, "--prompt-ids", "5,6", "--max-new-tokens", "2"], match)
     # given the run, a reader finds no valid checkpoint and renames nothing
-    _one_line(capsys, ["convert", copy, tmp_path / "hf"], "no valid checkpoint")
-    _one_line(capsys, ["generate", "--model", copy, "--prompt-ids", "5,6", "--max-new-tokens", "2"],
+    _one_line(cli, ["convert", copy, tmp_path / "hf"], "no valid checkpoint")
+    _one_line(cli, ["generate", "--model", copy, "--prompt-ids", "5,6", "--max-new-tokens", "2"],
               "no valid checkpoint")
     assert _snapshot(copy) == before and not (tmp_path / "hf").exists()

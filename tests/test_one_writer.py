@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import run_cli
 from runs import write_config
 from zaya.locking import DirectoryLock, lock_path
 
@@ -37,13 +36,13 @@ def _files(root: Path) -> dict:
     return {p: p.stat().st_mtime_ns for p in root.rglob("*")} if root.exists() else {}
 
 
-def test_a_second_trainer_on_a_run_directory_stops_in_one_line(dataset, tmp_path, capsys):
+def test_a_second_trainer_on_a_run_directory_stops_in_one_line(dataset, tmp_path, cli):
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 1, "eval_every": 0},
                           schedule={"warmup_steps": 0}, checkpoint={"every": 1, "keep": 1})
     run = tmp_path / "run"
     holder = _holder(run, "zaya train")
     try:
-        code, _, err = run_cli(["train", config, "--run-dir", run], capsys)
+        code, _, err = cli("train", config, "--run-dir", run)
         assert code == 2 and "Traceback" not in err
         assert err.strip() == (f"zaya: error: {run}: in use by zaya train (pid {holder.pid} on host "
                                f"{socket.gethostname()}, since {err.split('since ')[1].split(')')[0]}); one process "
@@ -53,13 +52,13 @@ def test_a_second_trainer_on_a_run_directory_stops_in_one_line(dataset, tmp_path
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     # the holder died without a word: its lock went with it
-    code, _, err = run_cli(["train", config, "--run-dir", run], capsys)
+    code, _, err = cli("train", config, "--run-dir", run)
     assert code == 0, err
     # and the finished run let go of its own
     DirectoryLock(run, "test").acquire().release()
 
 
-def test_a_second_build_into_one_output_stops_and_a_build_cleans_up_after_killed_ones(tmp_path, capsys):
+def test_a_second_build_into_one_output_stops_and_a_build_cleans_up_after_killed_ones(tmp_path, cli):
     source = tmp_path / "a.txt"
     source.write_text("one two three four five six seven eight nine ten\n" * 50)
     out = tmp_path / "data"
@@ -68,7 +67,7 @@ def test_a_second_build_into_one_output_stops_and_a_build_cleans_up_after_killed
     holder = _holder(out, "zaya data build")
     try:
         before = _files(tmp_path)
-        code, _, err = run_cli(args, capsys)
+        code, _, err = cli(*args)
         assert code == 2 and f"{out}: in use by zaya data build (pid {holder.pid}" in err and len(err.splitlines()) == 1
         assert _files(tmp_path) == before
     finally:
@@ -80,7 +79,7 @@ def test_a_second_build_into_one_output_stops_and_a_build_cleans_up_after_killed
         (directory / "dataset" / "tokens.bin").write_bytes(b"\0" * 64)
     unrelated = tmp_path / ".other.partial-0123456789ab"
     unrelated.mkdir()
-    assert run_cli(args, capsys)[0] == 0
+    assert cli(*args)[0] == 0
     assert not any(d.exists() for d in stale) and unrelated.is_dir() and (out / "manifest.json").is_file()
     assert lock_path(out).is_file()
 

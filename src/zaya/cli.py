@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from zaya.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, STOPPED_LINE, StartupFailed, ZayaError
+from zaya.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_PREEMPTED,
+    STOPPED_LINE,
+    StartupFailed,
+    ZayaError,
+    storage_error,
+    storage_message,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -456,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("zaya: aborted", err=True)
         return 130
+    except Exception as exc:
+        error = storage_error(exc)
+        if error is None:
+            raise  # a bug: its traceback is what a report needs
+        click.echo(f"zaya: error: {storage_message(error)}", err=True)
+        return 1  # not bad input: the same command works once the disk does
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code

@@ -40,3 +40,41 @@ class StartupFailed(ZayaError):
     def reported(self) -> None:
         if self._on_reported is not None:
             self._on_reported()
+
+
+# What the disk says when it cannot take a write or give back a read: a person has to act (free space, replace
+# the disk), and no restart helps. The CLI names it in one line that `zaya diagnose` files under `storage`.
+STORAGE_ERRNOS = {"ENOSPC": "no space left on device", "EDQUOT": "disk quota exceeded",
+                  "EROFS": "read-only file system", "EIO": "input/output error", "ESTALE": "stale file handle"}
+
+
+def storage_error(exc: BaseException) -> OSError | None:
+    """The storage `OSError` behind `exc`, if any: itself, its causes and contexts, or (a distributed checkpoint's
+    failure) the exceptions it gathered from the ranks."""
+    import errno
+
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and errno.errorcode.get(current.errno) in STORAGE_ERRNOS:
+            return current
+        todo += [current.__cause__, current.__context__]
+        failures = getattr(current, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            todo += [getattr(f, "exc", f) for f in failures.values() if isinstance(getattr(f, "exc", f), BaseException)]
+    return None
+
+
+def storage_message(error: OSError) -> str:
+    """One line for a storage error: what the disk said, its errno name, and the file."""
+    import errno
+
+    name = errno.errorcode[error.errno]
+    where = f" while writing {error.filename}" if error.filename else ""
+    if name in ("EIO", "ESTALE"):
+        where = f" on {error.filename}" if error.filename else ""
+    return f"{STORAGE_ERRNOS[name]} ({name}){where}"
