@@ -81,7 +81,7 @@ def test_a_second_build_into_one_output_stops_and_a_build_cleans_up_after_killed
     unrelated.mkdir()
     assert cli(*args)[0] == 0
     assert not any(d.exists() for d in stale) and unrelated.is_dir() and (out / "manifest.json").is_file()
-    assert lock_path(out).is_file()
+    assert not lock_path(out).exists()  # let go, and removed
 
 
 def test_the_same_process_shares_its_lock(tmp_path):

@@ -3,14 +3,16 @@ write, so that a second process on the same directory stops at once instead of d
 mixing its files.
 
 The lock is `flock` on a small file beside the directory (`.NAME.lock` in its parent), so that taking it creates
-nothing in the directory itself and a command refused here leaves no trace in it. The file says who holds it (pid,
-host, start time) for the refusal's message; the lock itself is the kernel's, released when the holder exits in
-any way (a crash, SIGKILL), so a stale file never blocks. On a network file system `flock` is as good as its
+nothing in the directory itself and a command refused here leaves no trace in it; the holder removes the file as
+it lets go. The file says who holds it (pid, host, start time) for the refusal's message; the lock itself is the
+kernel's, released when the holder exits in any way (a crash, SIGKILL), so a file left by a killed holder never
+blocks. On a network file system `flock` is as good as its
 lock manager: local and NFSv4 file systems honour it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -45,17 +47,27 @@ class DirectoryLock:
             _HELD[path][1] += 1
             self._path = path
             return self
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for as long as the lock)
-        except OSError as exc:
-            raise ZayaError(f"{path}: cannot create the directory's lock file ({exc.strerror or exc})") from None
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(handle)
+        while True:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for as long as the lock)
+            except OSError as exc:
+                raise ZayaError(f"{path}: cannot create the directory's lock file ({exc.strerror or exc})") from None
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(handle)
+                handle.close()
+                raise ZayaError(f"{self.directory}: in use by {holder}; one process writes a directory at a "
+                                "time") from None
+            # the holder we waited on may have removed the file as it let go: a lock on that unlinked file would
+            # hold nothing, so take it again on the file that is there now
+            try:
+                if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
             handle.close()
-            raise ZayaError(f"{self.directory}: in use by {holder}; one process writes a directory at a time") from None
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": self.what,
@@ -71,7 +83,10 @@ class DirectoryLock:
         held = _HELD[self._path]
         held[1] -= 1
         if held[1] == 0:
-            held[0].close()  # closing the descriptor releases the flock
+            # removed while still locked (a command leaves nothing behind), then the descriptor's close lets go
+            with contextlib.suppress(OSError):
+                self._path.unlink()
+            held[0].close()
             del _HELD[self._path]
         self._path = None
 
