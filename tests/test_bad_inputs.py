@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from runs import write_config
 from zaya.config import load_config
+from zaya.resilience.diagnose import classify_lines
 from zaya.training import build_trainer
 
 
@@ -139,6 +141,7 @@ DAMAGE = {
     "a zero world size": (_edit_json("zaya.json", lambda d: d.update(world_size=0)),
                           "field 'world_size' must be an integer"),
     "a path outside": (_edit_json("manifest.rank0.json", _outside_path), "a path outside the checkpoint"),
+    "deep nesting": (lambda c: (c / "zaya.json").write_text("[" * 100_000), "not valid JSON (nested too deeply)"),
 }
 
 
@@ -156,3 +159,84 @@ def test_readers_refuse_a_damaged_checkpoint_and_change_nothing(trained, cli, tm
     _one_line(cli, ["generate", "--model", copy, "--prompt-ids", "5,6", "--max-new-tokens", "2"],
               "no valid checkpoint")
     assert _snapshot(copy) == before and not (tmp_path / "hf").exists()
+
+
+def test_a_dataset_manifest_nested_too_deeply_is_one_line(dataset, tmp_path, cli):
+    copy = tmp_path / "data"
+    shutil.copytree(dataset, copy)
+    (copy / "manifest.json").write_text("[" * 100_000)
+    before = _snapshot(copy)
+    _one_line(cli, ["data", "inspect", copy], "manifest.json: not a readable manifest (nested too deeply)")
+    assert _snapshot(copy) == before
+
+
+def test_token_ids_above_what_the_manifest_promises_are_refused_with_the_shard_and_position(dataset, tmp_path):
+    from zaya.data.loader import TokenLoader
+    from zaya.errors import ZayaError
+
+    copy = tmp_path / "data"
+    shutil.copytree(dataset, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    shard = copy / manifest["splits"]["train"]["shards"][0]["file"]
+    tokens = bytearray(shard.read_bytes())
+    itemsize = {"uint16": 2, "uint32": 4}[manifest["dtype"]]
+    tokens[5 * itemsize:6 * itemsize] = (65_535).to_bytes(itemsize, "little")  # position 5: far above the vocabulary
+    shard.write_bytes(bytes(tokens))  # the manifest still promises its max_token_id (its checksum now lies too)
+    with TokenLoader([(copy, 1.0)], 32, seed=0, block_size=1) as loader, pytest.raises(ZayaError) as error:
+        for _ in range(200):
+            loader.next_batch(64)
+    assert str(error.value).startswith(f"{shard}: token id 65535 at position 5 is above the manifest's max_token_id")
+
+
+def _small_disk(path: Path) -> bool:
+    """A 256 kB tmpfs at `path`, where this machine lets us mount one (root, no container rule against it)."""
+    path.mkdir()
+    return shutil.which("mount") is not None and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], capture_output=True).returncode == 0
+
+
+def _big_text(path: Path) -> Path:
+    words = [f"{w}{i}" for i in range(400) for w in ("alpha", "beta", "gamma", "delta")]
+    path.write_text("\n\n".join(" ".join(words[(d * 7 + k) % len(words)] for k in range(200))
+                                for d in range(1000)))  # 1.7 MB of text: more tokens than 256 kB hold
+    return path
+
+
+def _storage_line(code: int, err: str, expected: str) -> None:
+    assert code == 1 and "Traceback" not in err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(expected), line
+    assert classify_lines([line]).root == "storage"
+
+
+def test_a_full_disk_is_one_line_that_names_it_and_diagnoses_as_storage(tmp_path, cli):
+    disk = tmp_path / "disk"
+    if not _small_disk(disk):
+        pytest.skip("no tmpfs can be mounted here; the simulated case below covers the message")
+    try:
+        code, _, err = cli("data", "build", "--input", _big_text(tmp_path / "big.txt"), "--out", disk / "data",
+                           "--vocab-size", "300", "--workers", "1", "--no-progress")
+        assert not any(disk.iterdir())  # nothing half-written, not even the lock
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    _storage_line(code, err, "zaya: error: no space left on device (ENOSPC)")
+
+
+def test_a_storage_error_deep_in_a_failure_is_the_line(tmp_path, cli, monkeypatch):
+    # simulated: the disk's error raised where the builder writes, under a wrapper of its own
+    import errno
+
+    import zaya.data.cli as data_cli
+
+    target = tmp_path / "data" / "train.00000.bin"
+
+    def full(*_args, **_kwargs):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        except OSError as exc:
+            raise RuntimeError("the build failed") from exc
+
+    monkeypatch.setattr(data_cli, "build_dataset", full)
+    code, _, err = cli("data", "build", "--input", _big_text(tmp_path / "big.txt"), "--out", tmp_path / "data",
+                       "--no-progress")
+    _storage_line(code, err, f"zaya: error: no space left on device (ENOSPC) while writing {target}")

@@ -200,11 +200,15 @@ def _advise(directory: Path, advice: str, flush: bool = False) -> None:
 
 def read_json(path: Path) -> dict:
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_bytes())
     except FileNotFoundError:
         raise ZayaError(f"{path}: file not found") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except OSError as exc:
+        raise ZayaError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except ValueError as exc:  # not JSON, or not UTF-8
         raise ZayaError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ZayaError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(data, dict):
         raise ZayaError(f"{path}: expected a JSON object")
     return data

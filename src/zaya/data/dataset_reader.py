@@ -68,7 +68,9 @@ class Dataset:
         if name not in self.entries:
             raise ZayaError(f"{self.path}: no split '{name}' (splits: {', '.join(self.entries)})")
         if name not in self._opened:
-            self._opened[name] = SplitTokens(self.path, self.entries[name], self.dtype)
+            # the largest id the manifest admits (an older manifest without the field: the tokenizer's last)
+            limit = self.max_token_id if self.max_token_id >= 0 else self.vocab_size - 1
+            self._opened[name] = SplitTokens(self.path, self.entries[name], self.dtype, limit)
         return self._opened[name]
 
     def check_vocab(self, model_vocab_size: int) -> None:
@@ -142,6 +144,8 @@ def open_dataset(path: str | Path) -> Dataset:
         raise ZayaError(f"{manifest_path}: file not found; is '{path}' a dataset built by 'zaya data build'?") from None
     except (OSError, ValueError) as exc:
         raise ZayaError(f"{manifest_path}: not a readable manifest ({exc})") from None
+    except RecursionError:
+        raise ZayaError(f"{manifest_path}: not a readable manifest (nested too deeply)") from None
     fields = _Fields(manifest_path)
     if fields.get(manifest, "format", str) != FORMAT:
         raise ZayaError(f"{manifest_path}: field 'format' is {manifest['format']!r}, expected {FORMAT!r}")

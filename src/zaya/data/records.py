@@ -162,6 +162,8 @@ def json_record(index: int, raw: bytes, text_field: str, chat: ChatReader | None
         value = json.loads(source)
     except ValueError as exc:
         return Record(index, None, f"not valid JSON ({exc})")
+    except RecursionError:
+        return Record(index, None, "not valid JSON (nested too deeply)")
     return object_record(index, value, text_field, invalid, chat)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from zaya.data.shards import SplitEntry
+from zaya.errors import ZayaError
 
 _CAN_ADVISE = hasattr(os, "posix_fadvise")
 
@@ -21,8 +22,10 @@ class SplitTokens:
     """Random access to one split's token stream (and loss mask, if it has one) through read-only memory maps of
     its shards."""
 
-    def __init__(self, directory: Path, entry: SplitEntry, dtype: np.dtype) -> None:
+    def __init__(self, directory: Path, entry: SplitEntry, dtype: np.dtype, max_token_id: int | None = None) -> None:
         self.name = entry.name
+        self.max_token_id = max_token_id  # what the manifest promises; a window holding more is refused
+        self._shard_files = [directory / f.file for f in entry.shards]
         self.num_tokens = entry.num_tokens
         self.num_documents = entry.num_documents
         self._docs_path = directory / entry.documents.file
@@ -54,8 +57,18 @@ class SplitTokens:
         is tokens [i * seq_len, i * seq_len + seq_len + 1).
 
         Windows are gathered from strided views of the shards in one vectorised copy per shard; the few that
-        cross from one shard file into the next are read piecewise."""
-        return self._tokens.gather(samples, seq_len, self.name)
+        cross from one shard file into the next are read piecewise. A token id above the manifest's
+        `max_token_id` (a file altered after its checksum was taken, or a lying manifest) raises `ZayaError`
+        naming the shard and the position: it would index past the model's embedding."""
+        out = self._tokens.gather(samples, seq_len, self.name)
+        if self.max_token_id is not None and out.size and int(out.max()) > self.max_token_id:
+            row, column = (int(i) for i in np.unravel_index(int(np.argmax(out > self.max_token_id)), out.shape))
+            offset = int(samples[row]) * seq_len + column
+            shard = bisect.bisect_right(self._starts, offset) - 1
+            raise ZayaError(f"{self._shard_files[shard]}: token id {int(out[row, column])} at position "
+                            f"{offset - self._starts[shard]} is above the manifest's max_token_id "
+                            f"{self.max_token_id}")
+        return out
 
     def gather_mask(self, samples: np.ndarray, seq_len: int) -> np.ndarray | None:
         """The loss mask of the windows `gather` gives, [len(samples), seq_len + 1] uint8 (1: a token the model

@@ -77,6 +77,8 @@ def _read_json(path: Path) -> dict:
         raise ZayaError(f"{path}: cannot read ({exc.strerror})") from None
     except ValueError as exc:
         raise ZayaError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ZayaError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(value, dict):
         raise ZayaError(f"{path}: expected a JSON object")
     return value

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,6 +180,8 @@ def _settings(kind, values: object, name: str, where: str):
         if isinstance(value, list):
             if not all(isinstance(item, str) for item in value):
                 raise ZayaError(f"{where}: '{name}.{key}' must be a list of strings, got {value!r}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ZayaError(f"{where}: '{name}.{key}' must be a finite number, got {value!r}")
         elif value < 0:
             raise ZayaError(f"{where}: '{name}.{key}' must not be negative, got {value!r}")
         out[key] = value
