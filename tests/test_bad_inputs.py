@@ -19,10 +19,10 @@ from zaya.training import build_trainer
 
 @pytest.fixture(scope="module")
 def trained(dataset, tmp_path_factory):
-    """A config and the run it trained (two steps of `micro`, one checkpoint)."""
+    """A config and the run it trained (four steps of `micro`, checkpoints at steps 2 and 4)."""
     root = tmp_path_factory.mktemp("bad")
-    config = write_config(root / "run.toml", dataset, train={"max_steps": 2, "eval_every": 0},
-                          checkpoint={"every": 2, "keep": 1}, schedule={"warmup_steps": 1})
+    config = write_config(root / "run.toml", dataset, train={"max_steps": 4, "eval_every": 0},
+                          checkpoint={"every": 2, "keep": 2}, schedule={"warmup_steps": 1})
     build_trainer(load_config(config), root / "run").run()
     return config, root / "run"
 
@@ -105,10 +105,11 @@ def test_paths_of_the_wrong_kind_are_one_line(trained, cli, tmp_path):
 
 
 def _damaged_copy(run: Path, tmp_path: Path, damage) -> Path:
+    """A copy of the run with its one checkpoint (the newest) damaged."""
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
-    (checkpoint,) = (copy / "checkpoints").glob("step_*")
-    damage(checkpoint)
+    shutil.rmtree(copy / "checkpoints" / "step_00000002")
+    damage(copy / "checkpoints" / "step_00000004")
     return copy
 
 
@@ -240,3 +241,57 @@ def test_a_storage_error_deep_in_a_failure_is_the_line(tmp_path, cli, monkeypatc
     code, _, err = cli("data", "build", "--input", _big_text(tmp_path / "big.txt"), "--out", tmp_path / "data",
                        "--no-progress")
     _storage_line(code, err, f"zaya: error: no space left on device (ENOSPC) while writing {target}")
+
+
+def test_ranks_that_read_other_data_disagree_on_its_fingerprint(dataset, tmp_path):
+    from zaya.data.build import BuildOptions, build_dataset
+    from zaya.train.inputs import disagreement, run_settings
+
+    source = tmp_path / "other.txt"
+    source.write_text("other words entirely\n" * 300)
+    other = tmp_path / "other"
+    build_dataset(BuildOptions(inputs=(str(source),), out=other, vocab_size=300, val_fraction=0.1, workers=1))
+    runs = [load_config(write_config(tmp_path / f"{n}.toml", path)).resolve(2, "fp32")
+            for n, path in (("a", dataset), ("b", other))]
+    settings = [run_settings(run) for run in runs]
+    for flat in settings:  # the same path on both ranks, mounted to other data on rank 1
+        flat["config.data.path"] = "data/shared"
+        flat["config.phases.0.sources.0.path"] = "data/shared"
+    message = disagreement(settings)
+    assert message.startswith("the ranks disagree on data.main: ['") and message.endswith(
+        "'] on rank 1; every rank needs the same config and data")
+    assert disagreement([settings[0], settings[0], {**settings[0], "config.train.seed": 7}]).startswith(
+        "the ranks disagree on config.train.seed: 3 on rank 0, 7 on rank 2")
+
+
+def _rewrite_keeping_the_checksums(checkpoint: Path, name: str, edit) -> None:
+    """Change one of a checkpoint's files and record its new size and checksum, as if it had been written so."""
+    from zaya.checkpoint.files import file_checksum
+
+    path = checkpoint / name
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    manifest = checkpoint / "manifest.rank0.json"
+    data = json.loads(manifest.read_text())
+    data["files"][name] = {"bytes": path.stat().st_size, "crc32": file_checksum(path)}
+    manifest.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(("name", "edit", "field"), [
+    ("train_state.json", lambda d: {**d, "state": {**d["state"], "step": "four"}}, "field 'state.step' must be int"),
+    ("rng.rank0.json", lambda d: {**d, "python": [3, "x", None]}, "not a random-number generator state"),
+], ids=["state", "rng"])
+def test_a_checkpoint_that_verifies_but_cannot_be_resumed_is_set_aside(trained, tmp_path, name, edit, field):
+    from zaya.checkpoint import verify_checkpoint
+
+    config, trained_run = trained
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    newest = run / "checkpoints" / "step_00000004"
+    _rewrite_keeping_the_checksums(newest, name, edit)
+    verify_checkpoint(newest)  # its files match their manifest
+    trainer = build_trainer(load_config(config, ["train.max_steps=5", "schedule.total_steps=5"]), run)
+    assert trainer.setup.resume_from == run / "checkpoints" / "step_00000002"
+    assert (run / "checkpoints" / "step_00000004.bad").is_dir() and not newest.exists()
+    log = (run / "train.log").read_text()
+    assert f"checkpoint step_00000004 is invalid ({newest / name}: {field}" in log
+    trainer.setup.lock.release()

@@ -298,6 +298,7 @@ def _validate(config: RunConfig) -> None:
                         f"got {train.precision!r}")
     _positive(config, "train.max_time_s", train.max_time_s, allow_zero=True)
     _positive(config, "train.time_budget_s", train.time_budget_s, allow_zero=True)
+    _positive(config, "train.stop_grace_s", train.stop_grace_s, allow_zero=True)
     if train.time_budget_s and config.schedule.kind != "wsd":
         raise ZayaError(f"{config.source}: train.time_budget_s needs schedule.kind = 'wsd' (its decay is timed), "
                         f"got {config.schedule.kind!r}")

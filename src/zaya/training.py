@@ -38,7 +38,14 @@ from zaya.resilience.heartbeat import Heartbeat
 from zaya.resilience.policy import Policy
 from zaya.resilience.supervision import Supervision
 from zaya.train.hooks import Hooks
-from zaya.train.inputs import check_inputs, checkpoint_dir, init_source, newest_checkpoint, recorded_precision
+from zaya.train.inputs import (
+    check_inputs,
+    check_ranks_agree,
+    checkpoint_dir,
+    init_source,
+    newest_checkpoint,
+    recorded_precision,
+)
 from zaya.train.log import RunLog
 from zaya.train.run import ResolvedRun
 from zaya.train.setup import TrainerSetup
@@ -113,11 +120,20 @@ class TrainingJob:
         """The trainer, once every rank passed the start-up check: the ranks agree on a measured precision
         (fp32 if any rank is slow in bf16) and the run is final. `setup` replaces fields of the `TrainerSetup`
         made here (a test's clocks, say)."""
+        try:
+            return self._trainer(**setup)
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
+
+    def _trainer(self, **setup) -> Trainer:
         run, launch = self.run, self.launch
         if self.config.train.precision == "auto" and self.recorded is None:
             agreed = "fp32" if "fp32" in launch.gather("precision", run.precision) else "bf16"
             if agreed != run.precision:
                 run = self.run = self.config.resolve(launch.world_size, agreed, compiles_training(self.device))
+        check_ranks_agree(run, launch.gather)
         supervision = self.supervision
         listeners, scales = [], []
         if supervision.heartbeat_dir is not None:

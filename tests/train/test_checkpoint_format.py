@@ -1,5 +1,6 @@
 """Our checkpoint format: atomic writes, manifest checks, and metadata that can never run code."""
 
+import json
 import pickle
 
 import pytest
@@ -51,6 +52,14 @@ def test_metadata_that_would_run_code_is_refused(make_model, tmp_path, monkeypat
     metadata = pickle.loads(metadata_path.read_bytes())
     metadata.planner_data = _Payload()
     metadata_path.write_bytes(pickle.dumps(metadata))
+    # with its manifest rewritten to match (else the checksum would refuse it first): the unpickler must
+    from zaya.checkpoint.files import file_checksum
+
+    manifest = tmp_path / "ckpt" / "manifest.rank0.json"
+    listed = json.loads(manifest.read_text())
+    listed["files"][checkpoint.METADATA_FILE] = {"bytes": metadata_path.stat().st_size,
+                                                 "crc32": file_checksum(metadata_path)}
+    manifest.write_text(json.dumps(listed))
     with pytest.raises(ZayaError, match="not allowed"):
         zaya.load_model(tmp_path / "ckpt", device="cpu")
     assert not (tmp_path / "pwned-by-checkpoint").exists()

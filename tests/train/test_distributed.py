@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zaya
-from ranks import free_port, run_command, torchrun, zaya_train
+from ranks import free_port, run_command, run_distributed, torchrun, zaya_on_rank, zaya_train
 from runs import checkpoint_tensors, write_config
 from zaya import checkpoint as ckpt
 from zaya.config import load_config
@@ -266,3 +266,18 @@ def test_the_old_timeout_key_says_where_it_went(dataset, tmp_path):
     config = write_config(tmp_path / "run.toml", dataset, train={"collective_timeout_s": 60.0})
     with pytest.raises(ZayaError, match=r"'train.collective_timeout_s' moved to 'parallel.timeout_s'"):
         load_config(config)
+
+
+def _train_with_own_config(rank: int, world_size: int, configs: list[str], run: str) -> tuple[int, str, str]:
+    return zaya_on_rank(rank, world_size, ["train", configs[rank], "--run-dir", run])
+
+
+def test_ranks_with_different_settings_stop_before_the_first_step_naming_the_key(dataset, tmp_path):
+    configs = [str(write_config(tmp_path / f"rank{r}.toml", dataset, optim={"lr": 0.01 * (r + 1)}))
+               for r in range(2)]
+    results = run_distributed(_train_with_own_config, 2, configs, str(tmp_path / "run"), timeout=120)
+    for code, _, err in results:
+        lines = [line for line in err.splitlines() if line.startswith("zaya: error")]
+        assert code == 2 and len(lines) == 1, err[-3000:]
+        assert "the ranks disagree on config.optim.lr: 0.01 on rank 0, 0.02 on rank 1" in lines[0], lines
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()

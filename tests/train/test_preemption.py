@@ -244,3 +244,20 @@ def test_torchrun_passes_sigusr1_on_as_the_slurm_example_sets_it_up(dataset, tmp
     assert 3 <= last < 60 and committed_step(run) == last, err[-4000:]
     assert f"stopping at step {last} on SIGUSR1" in (run / "train.log").read_text()
     assert f"exit code {EXIT_PREEMPTED}" in out
+
+
+def test_a_process_blocked_in_io_still_ends_within_its_grace_after_sigterm(dataset, tmp_path):
+    """A read that never returns (a FIFO no one writes) cannot finish its step: the request's grace ends it."""
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 6, "stop_grace_s": 2.0},
+                          checkpoint={"every": 1})
+    run = tmp_path / "run"
+    process = _start(config, run, env={"ZAYA_FAULTS": "block@step:2"})
+    _wait_for_step(process, run, 2)
+    time.sleep(0.5)  # into the blocking read
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    _, err = _finish(process, timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert 2.0 <= time.monotonic() - signalled < 30
+    assert "zaya: error: 2 s after SIGTERM, no checkpoint written (blocked in I/O or in a collective?)" in err
+    assert committed_step(run) == 2  # what was committed before stays

@@ -239,9 +239,11 @@ class CheckpointManager:
             for path in self.root.glob("step_*.tmp"):
                 shutil.rmtree(path, ignore_errors=True)
 
-    def newest_valid(self, log: Callable[[str], None] = print, set_aside: bool = True) -> Path | None:
-        """The newest checkpoint that validates; invalid ones are skipped, and renamed `*.bad` (by rank 0) with
-        `set_aside` (training does; a command that only reads changes nothing)."""
+    def newest_valid(self, log: Callable[[str], None] = print, set_aside: bool = True,
+                     check: Callable[[Path], None] | None = None) -> Path | None:
+        """The newest checkpoint that validates (and passes `check`: what a resume reads besides, which raises
+        `ZayaError`); invalid ones are skipped, and renamed `*.bad` (by rank 0) with `set_aside` (training does; a
+        command that only reads changes nothing)."""
         candidates = list(reversed(self.committed()))
         pointer = self.root / LATEST_FILE
         if pointer.is_file():
@@ -253,6 +255,8 @@ class CheckpointManager:
             try:
                 verify_checkpoint(candidate)
                 read_metadata(candidate)
+                if check is not None:
+                    check(candidate)
                 return candidate
             except ZayaError as exc:
                 if not set_aside:

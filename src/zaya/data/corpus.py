@@ -154,6 +154,8 @@ def _expand(item: str | Path, selection: Selection, split: str | None) -> list[F
         return found
     if not path.exists():
         raise ZayaError(f"{path}: no such file or directory")
+    if not path.is_file():  # a FIFO, a socket, a device: reading one could wait forever
+        raise ZayaError(f"{path}: not a regular file (only files and directories are read)")
     known = kind_of(path.name)
     if known is None:
         if selection.included(path.name):
@@ -180,6 +182,8 @@ def _scan(root: Path, selection: Selection, split: str | None) -> Iterator[Found
         for name in sorted(filenames):
             if name.startswith(".") or selection.excluded(prefix + name):
                 continue
+            if not (here / name).is_file():  # FIFOs, sockets, devices, dangling links: never opened
+                continue
             known = kind_of(name)
             if selection.include:
                 if selection.included(prefix + name):
@@ -192,7 +196,7 @@ def _walk(root: Path, skipped_dirs: frozenset[str]) -> Iterator[Path]:
     for directory, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in skipped_dirs)
         for name in sorted(filenames):
-            if not name.startswith("."):
+            if not name.startswith(".") and (Path(directory) / name).is_file():
                 yield Path(directory) / name
 
 

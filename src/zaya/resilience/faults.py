@@ -15,6 +15,7 @@ own for it. Set `ZAYA_FAULTS` to a comma-separated list of `ACTION[=VALUE]@EVENT
     spike=8@step:5                  step 5's loss (and its gradients) are multiplied by 8
     corrupt@committed:4             flip bytes in one tensor shard of checkpoint 4 right after its commit
     print@step:3                    print the line in `ZAYA_FAULT_LINE` on stderr (a fake kernel or NCCL line)
+    block@step:2                    block in a read that never returns (a FIFO no one writes): stuck I/O
 
 Qualifiers: `rank` (one rank only), `attempt` (the job's attempt under torchrun,
 `Launch.attempt`: the same on every rank), `run` (the supervisor's restart count,
@@ -34,7 +35,7 @@ from pathlib import Path
 from zaya.errors import ZayaError
 
 ENV = "ZAYA_FAULTS"  # named in messages; zaya.resilience.supervision reads it
-ACTIONS = ("sigkill", "raise", "sigstop", "sigterm", "sigusr1", "slow", "nan", "spike", "corrupt", "print")
+ACTIONS = ("sigkill", "raise", "sigstop", "sigterm", "sigusr1", "slow", "nan", "spike", "corrupt", "print", "block")
 VALUED = {"slow": 0.5, "spike": 8.0}  # actions that take a value, and its default
 EVENTS = ("step", "checkpoint", "checkpoint-written", "committed")
 # the trainer's events a fault can fire at, by their name here; "step-work" is inside the step's timed host work,
@@ -118,6 +119,9 @@ class FaultInjector:
                 print(self.line or f"injected log line at {event} {step}", file=sys.stderr, flush=True)
             elif fault.action == "corrupt" and path is not None:
                 corrupt_shard(path)
+            elif fault.action == "block":
+                _announce(fault, step)
+                _block_in_a_read()
 
     def loss_factor(self, step: int) -> float:
         """What step `step`'s loss is multiplied by (1.0 unless a `nan` or `spike` fault is set for it). Each
@@ -156,3 +160,14 @@ def corrupt_shard(checkpoint: Path) -> Path:
         handle.seek(size // 2)
         handle.write(bytes(b ^ 0xFF for b in chunk))
     return target
+
+
+def _block_in_a_read() -> None:
+    """Open a FIFO that nothing will ever write: the call blocks in the kernel, as a read from a dead NFS server or
+    a FIFO among the inputs does."""
+    import tempfile
+
+    fifo = Path(tempfile.mkdtemp(prefix="zaya-block-")) / "never"
+    os.mkfifo(fifo)
+    with open(fifo, "rb") as handle:
+        handle.read()

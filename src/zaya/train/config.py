@@ -43,6 +43,10 @@ class TrainSection:
     # wsd decay begins when the budget's last `schedule.decay_fraction` begins, spans the remaining time at
     # the measured step rate, and the run ends with it; 0: none
     time_budget_s: float = 0.0
+    # after SIGTERM or SIGUSR1 the run finishes its step, writes a checkpoint and exits 75; a process that has not
+    # managed that after this long (blocked in I/O, in a collective) exits without one (128 + the signal); 0: wait
+    # for as long as it takes
+    stop_grace_s: float = 600.0
     # start from these weights instead of a random initialisation: a Hugging Face directory (native or ZAYA1-base's
     # legacy layout), a zaya checkpoint, or a run directory (its newest valid checkpoint). The weights only: the
     # optimizer, the schedule and the step start afresh. A resumed run keeps its own checkpoint's. "": none

@@ -9,6 +9,11 @@ from (`train.init_from`) that are missing or of another model's shape.
 
 from __future__ import annotations
 
+import binascii
+import dataclasses
+import hashlib
+import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,8 +22,10 @@ from zaya.data.dataset_reader import open_dataset
 from zaya.data.tokenizer import TOKENIZER_FILE
 from zaya.errors import ZayaError
 from zaya.run_dir import CHECKPOINTS_DIR
+from zaya.train.checkpointing import Progress
 from zaya.train.config import CheckpointSection
 from zaya.train.run import ResolvedRun
+from zaya.train.stops import Clock
 from zaya.weights import WeightSource
 
 INIT_KEY = "train.init_from"
@@ -35,7 +42,59 @@ def newest_checkpoint(directory: Path, rank: int, log: Callable[[str], None]) ->
     renames a bad one `*.bad`."""
     if not Path(directory).is_dir():
         return None
-    return ckpt.CheckpointManager(directory, keep=1 << 30, rank=rank).newest_valid(log=log)
+    return ckpt.CheckpointManager(directory, keep=1 << 30, rank=rank).newest_valid(log=log, check=check_resumable)
+
+
+def check_resumable(directory: Path) -> None:
+    """What a resume reads besides the tensors holds values of the right types, or `ZayaError` naming the file
+    and field: a checkpoint whose files match their checksums but could not be resumed from is set aside like a
+    damaged one, and training falls back to the one before."""
+    info = ckpt.read_json(directory / ckpt.INFO_FILE)
+    if not _count(info.get("step")):
+        raise ZayaError(f"{directory / ckpt.INFO_FILE}: field 'step' must be a non-negative integer, "
+                        f"got {info.get('step')!r}")
+    path = directory / ckpt.TRAIN_STATE_FILE
+    saved = ckpt.read_json(path)
+    state = saved.get("state")
+    for name, value in (("state", state), ("optimizer", saved.get("optimizer"))):
+        if not isinstance(value, dict):
+            raise ZayaError(f"{path}: field '{name}' must be an object, got {type(value).__name__}")
+    for kind in (Progress, Clock):
+        defaults = kind()
+        for field in dataclasses.fields(kind):
+            if field.name in state and not _like(state[field.name], getattr(defaults, field.name)):
+                raise ZayaError(f"{path}: field 'state.{field.name}' must be "
+                                f"{type(getattr(defaults, field.name)).__name__}, got {state[field.name]!r}")
+    for rng in sorted(directory.glob("rng.rank*.json")):
+        _check_rng(ckpt.read_json(rng), rng)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _like(value, default) -> bool:
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return _count(value)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, type(default))
+
+
+def _check_rng(data: dict, path: Path) -> None:
+    try:
+        binascii.a2b_base64(data["torch"].encode("ascii"), strict_mode=True)
+        for state in data.get("cuda", []):
+            binascii.a2b_base64(state.encode("ascii"), strict_mode=True)
+        version, internal, gauss = data["python"]
+        good = (isinstance(version, int) and isinstance(internal, list) and all(map(_count, internal))
+                and (gauss is None or isinstance(gauss, float)))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        good = False
+    if not good:
+        raise ZayaError(f"{path}: not a random-number generator state")
 
 
 def recorded_precision(checkpoint: Path | None) -> str | None:
@@ -115,3 +174,36 @@ def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: 
             raise ZayaError(f"{resume_from}: the run was trained with another tokenizer than {now} (the same "
                             "text becomes other token ids); pass --allow-tokenizer-change to continue anyway")
     return notes
+
+
+def check_ranks_agree(run: ResolvedRun, gather: Callable[[str, str], list[str]]) -> None:
+    """Every rank resolved the same run from the same data, or every rank raises `ZayaError` naming the first
+    setting that differs (a rank with another config file, `--set` or dataset would otherwise hang in a
+    collective, fail in one, or train on other data unnoticed). `gather(name, value)` is every rank's value."""
+    text = json.dumps(run_settings(run), sort_keys=True, default=str)
+    digests = gather("run-fingerprint", hashlib.sha256(text.encode()).hexdigest())
+    if len(set(digests)) > 1:  # rare: only then does every rank send the whole of its settings
+        raise ZayaError(disagreement([json.loads(t) for t in gather("run-settings", text)]))
+
+
+def run_settings(run: ResolvedRun) -> dict:
+    """The resolved config and each phase's dataset fingerprints, flat: {"config.optim.lr": 0.01, ...}."""
+    datasets = {phase.name: [open_dataset(s.path).fingerprint for s in phase.sources] for phase in run.phases}
+    return _flat({"config": run.record, "data": datasets})
+
+
+def disagreement(settings: list[dict]) -> str:
+    """What the first rank whose settings differ from rank 0's says differently, in the first key that differs."""
+    other = next(r for r, theirs in enumerate(settings) if theirs != settings[0])
+    first, theirs = settings[0], settings[other]
+    key = min(k for k in {*first, *theirs} if first.get(k) != theirs.get(k))
+    return (f"the ranks disagree on {key}: {first.get(key, '(unset)')!r} on rank 0, {theirs.get(key, '(unset)')!r} "
+            f"on rank {other}; every rank needs the same config and data")
+
+
+def _flat(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    if isinstance(value, list) and any(isinstance(item, dict) for item in value):
+        return {k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): value}

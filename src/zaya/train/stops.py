@@ -25,6 +25,7 @@ import dataclasses
 import os
 import signal
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,11 +42,18 @@ _REPLAN_RECENT = 3  # steps whose times re-plan a timed decay's end
 
 class StopRequest:
     """Catches SIGTERM and SIGUSR1 while training and records the first. Inert outside the main thread
-    (Python delivers signals to it alone), where it cannot install handlers."""
+    (Python delivers signals to it alone), where it cannot install handlers.
 
-    def __init__(self) -> None:
+    A process blocked where no step ends (a read that never returns, a collective whose peers are gone) would
+    never act on the request: `grace_s` after the first signal it exits at once with 128 + the signal, saying so
+    (the handler runs even then: Python retries an interrupted call only after it). Later signals change
+    nothing: a worker may get the same one from the scheduler and from torchrun."""
+
+    def __init__(self, grace_s: float = 0.0) -> None:
         self.signal: signal.Signals | None = None
+        self.grace_s = grace_s
         self._previous: dict[int, object] = {}
+        self._deadline: threading.Timer | None = None
 
     def __enter__(self) -> StopRequest:
         try:
@@ -59,10 +67,23 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._deadline is not None:
+            self._deadline.cancel()
 
     def _on_signal(self, signum: int, frame) -> None:
-        if self.signal is None:
-            self.signal = signal.Signals(signum)
+        if self.signal is not None:  # the same request again (Slurm and torchrun both pass signals on)
+            return
+        self.signal = signal.Signals(signum)
+        if self.grace_s > 0:
+            why = f"{self.grace_s:g} s after {self.signal.name}"
+            self._deadline = threading.Timer(self.grace_s, self._give_up, (why,))
+            self._deadline.daemon = True
+            self._deadline.start()
+
+    def _give_up(self, why: str) -> None:
+        os.write(2, f"zaya: error: {why}, no checkpoint written (blocked in I/O or in a collective?); exiting "
+                    f"without one: the run resumes from its last checkpoint\n".encode())
+        os._exit(128 + self.signal.value)
 
     @property
     def requested(self) -> bool:
@@ -180,7 +201,7 @@ class StopRules:
         self.origin, self.clock_now = origin, clock  # train.max_time_s counts from `origin` by `clock`
         self.is_main, self.say = is_main, say
         self.clock = Clock()
-        self.request = StopRequest()
+        self.request = StopRequest(train.stop_grace_s)
         self.stopped: str | None = None  # why the run stopped before its end, if it did
         self.last_seconds = 0.0  # rank 0's time of the step before, sent with the next step's statistics
         self.last_batch = 0  # that step's global batch (the same on every rank)
