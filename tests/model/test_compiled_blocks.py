@@ -64,7 +64,7 @@ def test_the_whole_loss_is_one_graph_at_any_depth():
     compiled.loss = torch.compile(compiled.loss, fullgraph=True, backend="aot_eager")
     _assert_same_training(eager, compiled, _batches(config, 2), False, 1e-5)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
-    deep = zaya.build_model(zaya.get_preset("micro", num_hidden_layers=12), seed=3).train()
+    deep = zaya.build_model(zaya.get_preset("micro", num_hidden_layers=9), seed=3).train()  # past dynamo's 8
     torch._dynamo.reset()
     counters.clear()
     loss = torch.compile(deep.loss, fullgraph=True, backend="eager")

@@ -21,7 +21,7 @@ from zaya.plan.table import EfficiencyTable, GemmRecord, cache_dir, default_tabl
 
 @pytest.fixture(scope="module")
 def table() -> EfficiencyTable:
-    return sweep("micro", "cpu", torch.float32, [256], progress=False, budget_s=3.0, seq_lens=[128, 256])
+    return sweep("micro", "cpu", torch.float32, [256], progress=False, budget_s=1.5, seq_lens=[128, 256])
 
 
 def test_sweep_measures_positive_rates_below_the_peak(table):
@@ -175,7 +175,7 @@ def zaya_cli(cli, monkeypatch):
 def test_command_writes_the_table(zaya_cli, quick, tmp_path):
     out = tmp_path / "table.json"
     code, stdout, stderr = zaya_cli("shapes", "--preset", "micro", "--tokens", "256", "--out", out,
-                                    "--no-progress", "--budget-s", "4")
+                                    "--no-progress", "--budget-s", "1")
     assert code == 0, stderr
     assert f"wrote {out}" in stdout and "attn_in (dense, fp32)" in stdout and "hidden_size (preset 128" in stdout
     table = EfficiencyTable.load(out)
