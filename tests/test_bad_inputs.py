@@ -295,3 +295,18 @@ def test_a_checkpoint_that_verifies_but_cannot_be_resumed_is_set_aside(trained, 
     log = (run / "train.log").read_text()
     assert f"checkpoint step_00000004 is invalid ({newest / name}: {field}" in log
     trainer.setup.lock.release()
+
+
+def test_only_regular_files_are_read_as_inputs(tmp_path, cli):
+    import os
+
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    (inputs / "a.txt").write_text("plain words to read and tokenize\n" * 20)
+    os.mkfifo(inputs / "b.txt")  # opening it for reading would wait for a writer forever
+    code, out, err = cli("data", "build", "--input", inputs, "--out", tmp_path / "data", "--vocab-size", "300",
+                         "--workers", "1", "--no-progress")
+    assert code == 0, err
+    assert "1 files" in out
+    _one_line(cli, ["data", "build", "--input", inputs / "b.txt", "--out", tmp_path / "other", "--no-progress"],
+              "b.txt: not a regular file")

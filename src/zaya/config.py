@@ -339,6 +339,9 @@ def _validate(config: RunConfig) -> None:
             _positive(config, f"phases.{i}.sources.{j}.weight", source.weight)
         if phase.tokens == 0 and i != len(config.phases) - 1:
             raise ZayaError(f"{config.source}: phase '{phase.name}' needs a token budget (only the last may be open)")
+    if config.train.init_from and config.phases and config.phases[0].init_from:
+        raise ZayaError(f"{config.source}: train.init_from and phases.0.init_from both say where the run starts; "
+                        "set one")
     for phase in config.resolved_phases():
         if phase.isolate_documents and phase.cp > 1:
             raise ZayaError(f"{config.source}: phase '{phase.name}' keeps documents apart (isolate_documents) "

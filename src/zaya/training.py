@@ -44,6 +44,7 @@ from zaya.train.inputs import (
     checkpoint_dir,
     init_source,
     newest_checkpoint,
+    phase_sources,
     recorded_precision,
 )
 from zaya.train.log import RunLog
@@ -73,6 +74,7 @@ class TrainingJob:
     init_from: WeightSource | None = None  # the weights a fresh run starts from
     notes: tuple[str, ...] = ()  # what the checks found worth saying: the trainer says it at its start
     lock: DirectoryLock | None = None  # rank 0's hold on the run directory, handed to the trainer
+    phase_init: dict[int, WeightSource] = dataclasses.field(default_factory=dict)  # later phases' own weights
 
     @classmethod
     def check(cls, config: RunConfig, run_dir: Path, *, launch: Launch, environ: Mapping[str, str],
@@ -113,8 +115,9 @@ class TrainingJob:
         run.check_job()
         notes = check_inputs(run, resume_from, allow_data_change, allow_tokenizer_change)
         init_from, init_notes = init_source(run, resume_from)
+        later, later_notes = phase_sources(run, resume_from)
         return cls(config, Path(run_dir), launch, environ, device, supervision, policy, resume_from, recorded, run,
-                   allow_data_change, init_from, tuple(notes + init_notes), lock)
+                   allow_data_change, init_from, tuple(notes + init_notes + later_notes), lock, later)
 
     def trainer(self, **setup) -> Trainer:
         """The trainer, once every rank passed the start-up check: the ranks agree on a measured precision
@@ -153,7 +156,7 @@ class TrainingJob:
             hooks=Hooks(listeners, scales), origin=time_origin(self.environ),
             wandb_environ_mode=self.environ.get("WANDB_MODE", ""),
             forecast=Forecast.for_run(run, self.device, launch.local_world_size, table), report_plots=report_plots,
-            lock=self.lock,
+            lock=self.lock, phase_init=self.phase_init,
         )
         return Trainer(run, dataclasses.replace(trainer_setup, **setup))
 

@@ -108,3 +108,37 @@ def test_weights_of_another_model_are_one_line_and_nothing_is_written(source, da
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and says in lines[0] and "train.init_from" in lines[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_later_phase_starts_from_its_own_weights_with_a_fresh_optimizer(source, dataset, tmp_path):
+    # continued pre-training from scratch for two steps, then a phase that starts from the export (as SFT from
+    # another model would): its first step has the export's loss on its first batch
+    model = zaya.load_model(source / "hf", device="cpu", dtype=torch.float32)
+    train = {"max_steps": 4, "eval_every": 0, "seed": 11, "global_batch_size": 8, "micro_batch_size": 8}
+    config = write_config(tmp_path / "phases.toml", dataset, train=train, checkpoint={"every": 10},
+                          phases=[{"name": "pre", "tokens": 2 * 8 * 32},
+                                  {"name": "sft", "init_from": str(source / "hf")}])
+    with torch.no_grad():
+        batch = _first_batch(config)  # a phase's loader starts at its own beginning
+        expected = model.loss(batch[:, :-1], batch[:, 1:]).item()
+    run = tmp_path / "run"
+    build_trainer(load_config(config), run).run()
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[2]["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert abs(rows[1]["loss"] - expected) > 0.1  # the first phase's own weights were far from it
+    record = json.loads((run / "init_from.sft.json").read_text())
+    assert record["kind"] == "hf" and not (run / INIT_FROM_FILE).exists()
+    assert "step 2: phase 'sft' initialised from" in (run / "train.log").read_text()
+
+
+def test_phase_sources_are_checked_before_the_run_trains(dataset, tmp_path):
+    config = write_config(tmp_path / "bad.toml", dataset, phases=[{"name": "pre", "tokens": 256},
+                                                                  {"name": "sft", "init_from": str(tmp_path / "none")}])
+    with pytest.raises(zaya.ZayaError, match=r"^phases\.1\.init_from: .*none"):
+        build_trainer(load_config(config), tmp_path / "run")
+    both = write_config(tmp_path / "both.toml", dataset, train={"init_from": str(tmp_path)},
+                        phases=[{"name": "only", "init_from": str(tmp_path)}])
+    with pytest.raises(zaya.ZayaError, match=r"train\.init_from and phases\.0\.init_from both say"):
+        load_config(both)
+    assert not (tmp_path / "run").exists()

@@ -182,8 +182,8 @@ def _scan(root: Path, selection: Selection, split: str | None) -> Iterator[Found
         for name in sorted(filenames):
             if name.startswith(".") or selection.excluded(prefix + name):
                 continue
-            if not (here / name).is_file():  # FIFOs, sockets, devices, dangling links: never opened
-                continue
+            if (here / name).exists() and not (here / name).is_file():  # FIFOs, sockets, devices: never opened
+                continue  # (a dangling link stays: reading it says what is wrong)
             known = kind_of(name)
             if selection.include:
                 if selection.included(prefix + name):
@@ -196,8 +196,9 @@ def _walk(root: Path, skipped_dirs: frozenset[str]) -> Iterator[Path]:
     for directory, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in skipped_dirs)
         for name in sorted(filenames):
-            if not name.startswith(".") and (Path(directory) / name).is_file():
-                yield Path(directory) / name
+            path = Path(directory) / name
+            if not name.startswith(".") and not (path.exists() and not path.is_file()):
+                yield path
 
 
 def _input_file(path: Path, kind: str, compression: str | None) -> InputFile:

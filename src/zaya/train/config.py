@@ -101,3 +101,6 @@ class Phase:
     rope_theta: float = 0.0  # 0: keep the model's
     cp: int = 0  # context-parallel ranks per sequence in this phase; 0: parallel.cp
     isolate_documents: bool | None = None  # keep packed documents apart (an SFT phase); unset: data's
+    # start this phase from these weights (as train.init_from takes them) with a fresh optimizer, e.g. SFT from
+    # another model after continued pre-training; "": go on from the previous phase's weights
+    init_from: str = ""

@@ -56,11 +56,12 @@ def record_start(run_dir: Path, record: dict[str, Any], resumed: dict[str, Any] 
     return [f"resumed with changed settings (recorded in {CONFIG_HISTORY_FILE}): {describe_changes(changes)}"]
 
 
-def record_init(run_dir: Path, source: WeightSource, seconds: float) -> str:
-    """Record the weights a fresh run started from in init_from.json, with their fingerprint; returns the line to
-    say."""
+def record_init(run_dir: Path, source: WeightSource, seconds: float, phase: str | None = None) -> str:
+    """Record the weights a fresh run started from in init_from.json (a later phase's in init_from.PHASE.json),
+    with their fingerprint; returns the line to say."""
     record = {"path": str(source.path.resolve()), "kind": source.kind, "layout": source.layout, "step": source.step,
               "fingerprint": source.fingerprint()}
-    (Path(run_dir) / INIT_FROM_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
+    name = INIT_FROM_FILE if phase is None else INIT_FROM_FILE.replace(".json", f".{phase}.json")
+    (Path(run_dir) / name).write_text(json.dumps(record, indent=2), encoding="utf-8")
     return (f"initialised from {source.describe()} in {seconds:.2f} s ({record['fingerprint'][:19]}...; the "
             "optimizer and schedule start afresh)")

@@ -110,15 +110,36 @@ def recorded_precision(checkpoint: Path | None) -> str | None:
 
 
 def init_source(run: ResolvedRun, resume_from: Path | None) -> tuple[WeightSource | None, list[str]]:
-    """The weights a fresh run starts from (`train.init_from`), checked against the run's model, and a note for
-    each setting that differs without changing a shape; None for a run that resumes or starts at random."""
-    if not run.train.init_from or resume_from is not None:
+    """The weights a fresh run starts from (`train.init_from`, or its first phase's), checked against the run's
+    model, and a note for each setting that differs without changing a shape; None for a run that resumes or
+    starts at random."""
+    path, key = run.train.init_from, INIT_KEY
+    if not path and run.phases[0].init_from:
+        path, key = run.phases[0].init_from, "phases.0.init_from"
+    if not path or resume_from is not None:
         return None, []
+    return _open_source(path, key, run)
+
+
+def phase_sources(run: ResolvedRun, resume_from: Path | None) -> tuple[dict[int, WeightSource], list[str]]:
+    """The weights each later phase starts from (`init_from` of a phase after the first), by phase index, for the
+    phases still ahead of the run; opened and checked now, so that a bad path stops the run before it trains,
+    not at the phase's start hours later."""
+    reached = saved_phase(resume_from, len(run.phases))
+    sources, notes = {}, []
+    for index, phase in enumerate(run.phases):
+        if index > 0 and phase.init_from and index > reached:
+            sources[index], said = _open_source(phase.init_from, f"phases.{index}.init_from", run)
+            notes += said
+    return sources, notes
+
+
+def _open_source(path: str, key: str, run: ResolvedRun) -> tuple[WeightSource, list[str]]:
     try:
-        source = WeightSource.open(run.train.init_from)
+        source = WeightSource.open(path)
     except ZayaError as exc:
-        raise ZayaError(f"{INIT_KEY}: {exc}") from None
-    return source, source.check_fits(run.model, INIT_KEY)
+        raise ZayaError(f"{key}: {exc}") from None
+    return source, source.check_fits(run.model, key)
 
 
 def saved_phase(checkpoint: Path | None, phases: int) -> int:

@@ -53,3 +53,4 @@ class TrainerSetup:
     forecast: Forecast | None = None
     report_plots: Callable[[Path], dict[str, Path]] | None = None  # the report's plots, for W&B at the end
     lock: DirectoryLock | None = None  # rank 0's hold on the run directory, released when `run` ends
+    phase_init: dict[int, WeightSource] = field(default_factory=dict)  # weights a later phase starts from, by index

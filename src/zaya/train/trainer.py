@@ -130,10 +130,7 @@ class Trainer:
         self.model = materialize(model, self.device, self.config.train.seed)
         if self.resume_from is None and self.setup.init_from is not None:
             self._initialise_from(self.setup.init_from)
-        balance = self.config.balance  # the controller starts from the biases the model has now
-        self.controller = BalanceController([block.moe.router for block in model.blocks], balance.kp, balance.ki,
-                                            balance.kd, balance.error)
-        self.optimizer = build_optimizer(self.model, self.config.optim, comm=self.parallel.counter)
+        self._fresh_optimizer()
         self.manager = ckpt.CheckpointManager(self.checkpoint_dir, keep=self.config.checkpoint.keep,
                                               rank=self.launch.rank, world_size=self.launch.world_size,
                                               control_group=self.parallel.control_group)
@@ -142,6 +139,13 @@ class Trainer:
             self.hooks("checkpoint_load", 0)
             self._restore(self.resume_from)
         self.curriculum.enter(self.progress, self.model, self.parallel, self.resume_from)
+
+    def _fresh_optimizer(self) -> None:
+        """An optimizer without state, and the balancing controller starting from the biases the model has now."""
+        balance = self.config.balance
+        self.controller = BalanceController([block.moe.router for block in self.model.blocks], balance.kp,
+                                            balance.ki, balance.kd, balance.error)
+        self.optimizer = build_optimizer(self.model, self.config.optim, comm=self.parallel.counter)
 
     def _initialise_from(self, source: WeightSource) -> None:
         """A fresh run's weights from `train.init_from`, on every rank into its shards."""
@@ -238,14 +242,21 @@ class Trainer:
                  f"{f', cp {nxt.cp}' if remesh else ''})")
         if not remesh:
             self.curriculum.enter(self.progress, self.model, self.parallel, self.resume_from)
-            return
-        self.log(f"step {step}: phase '{nxt.name}' runs with cp = {nxt.cp}: checkpointing and moving to a new mesh")
-        self.save()
-        self.manager.wait()
-        self.resume_from = self.manager.newest_valid(log=self.log)
-        self.start_phase = self.progress.phase
-        self._build()
-        self.log(f"step {step}: now on {self.parallel.describe()}")
+        else:
+            self.log(f"step {step}: phase '{nxt.name}' runs with cp = {nxt.cp}: checkpointing, to a new mesh")
+            self.save()
+            self.manager.wait()
+            self.resume_from = self.manager.newest_valid(log=self.log)
+            self.start_phase = self.progress.phase
+            self._build()
+            self.log(f"step {step}: now on {self.parallel.describe()}")
+        source = self.setup.phase_init.get(self.progress.phase)
+        if source is not None:  # the phase's own weights, and a fresh optimizer and controller for them
+            self._initialise_from(source)
+            self._fresh_optimizer()
+            if self.launch.is_main:
+                self.log(f"step {step}: phase '{nxt.name}' "
+                         + record_init(self.run_dir, source, self._init_seconds, phase=nxt.name))
 
     # ---- one step ---------------------------------------------------------------------------------------
 
