@@ -310,3 +310,16 @@ def test_only_regular_files_are_read_as_inputs(tmp_path, cli):
     assert "1 files" in out
     _one_line(cli, ["data", "build", "--input", inputs / "b.txt", "--out", tmp_path / "other", "--no-progress"],
               "b.txt: not a regular file")
+
+
+def test_an_output_that_cannot_be_written_is_one_line(trained, tmp_path, cli):
+    # a path under a regular file: no directory can be made there, whoever runs the command (root too)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    source = tmp_path / "text.txt"
+    source.write_text("words to build a dataset from\n" * 20)
+    _one_line(cli, ["data", "build", "--input", source, "--out", blocker / "data", "--vocab-size", "300",
+                    "--no-progress"], str(blocker))
+    _one_line(cli, ["convert", trained[1], blocker / "hf"], str(blocker))
+    _one_line(cli, ["train", trained[0], "--run-dir", blocker / "run"], str(blocker))
+    assert blocker.read_text() == "x"

@@ -449,6 +449,11 @@ def _mount_subsystem_groups() -> None:
             cli.add_command(command)
 
 
+# what the operating system says of a path that is not what the command needs (a file where a directory must be
+# made, a directory without the right to write): the user's to fix, said in one line
+_PATH_ERRORS = (NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError, FileNotFoundError)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zaya` console script."""
     _mount_subsystem_groups()
@@ -466,10 +471,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:
         error = storage_error(exc)
-        if error is None:
-            raise  # a bug: its traceback is what a report needs
-        click.echo(f"zaya: error: {storage_message(error)}", err=True)
-        return 1  # not bad input: the same command works once the disk does
+        if error is not None:
+            click.echo(f"zaya: error: {storage_message(error)}", err=True)
+            return 1  # not bad input: the same command works once the disk does
+        if isinstance(exc, _PATH_ERRORS) and exc.filename:  # a path the user gave that cannot be used so
+            click.echo(f"zaya: error: {exc.filename}: {(exc.strerror or str(exc)).lower()}", err=True)
+            return EXIT_BAD_INPUT
+        raise  # a bug: its traceback is what a report needs
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code

@@ -321,6 +321,7 @@ def _validate(config: RunConfig) -> None:
     _positive(config, "data.group_blocks", config.data.group_blocks)
     _positive(config, "checkpoint.every", config.checkpoint.every)
     _positive(config, "checkpoint.keep", config.checkpoint.keep)
+    _positive(config, "checkpoint.timeout_s", config.checkpoint.timeout_s, allow_zero=True)
     _positive(config, "logging.log_every", config.logging.log_every)
     if config.balance.error not in ("linear", "sign"):
         raise ZayaError(f"{config.source}: key 'balance.error' must be 'linear' or 'sign'")

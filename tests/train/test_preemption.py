@@ -261,3 +261,18 @@ def test_a_process_blocked_in_io_still_ends_within_its_grace_after_sigterm(datas
     assert 2.0 <= time.monotonic() - signalled < 30
     assert "zaya: error: 2 s after SIGTERM, no checkpoint written (blocked in I/O or in a collective?)" in err
     assert committed_step(run) == 2  # what was committed before stays
+
+
+def test_a_checkpoint_save_that_hangs_ends_the_process_within_its_timeout(dataset, tmp_path):
+    """Storage that stops answering during a save (a read of a FIFO no one writes, inside the save): the save's
+    deadline ends the process in one line; the checkpoint before it stays the newest committed one."""
+    config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 4},
+                          checkpoint={"every": 1, "timeout_s": 2.0})
+    run = tmp_path / "run"
+    started = time.monotonic()
+    process = _start(config, run, env={"ZAYA_FAULTS": "block@checkpoint-written:2"})
+    _, err = _finish(process, timeout=120)
+    assert process.returncode == 1, err[-3000:]
+    assert "zaya: error: checkpoint step 2's save did not finish within 2 s (checkpoint.timeout_s)" in err
+    assert time.monotonic() - started < 100
+    assert committed_step(run) == 1 and (run / "checkpoints" / "step_00000002.tmp").is_dir()

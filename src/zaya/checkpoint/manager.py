@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from zaya.checkpoint.deadline import Deadline
 from zaya.checkpoint.files import (
     INFO_FILE,
     LATEST_FILE,
@@ -95,8 +96,10 @@ class CheckpointManager:
     `control_group`, a gloo group of its own, so that it never queues behind training collectives.
     """
 
-    def __init__(self, root: Path, keep: int, rank: int = 0, world_size: int = 1, control_group=None):
+    def __init__(self, root: Path, keep: int, rank: int = 0, world_size: int = 1, control_group=None,
+                 timeout_s: float = 0.0):
         self.root = Path(root)
+        self.timeout_s = timeout_s  # a save that takes longer ends the process (`zaya.checkpoint.deadline`)
         self.keep = keep
         self.rank = rank
         self.world_size = world_size
@@ -123,15 +126,26 @@ class CheckpointManager:
         """Write checkpoint `step`. With `async_save`, returns once the tensors are staged in memory; the
         files are written and the checkpoint committed in the background (`latest` moves only then)."""
         self.wait()  # one save in flight at a time
+        limit = Deadline(self.timeout_s, f"checkpoint step {step}'s save").start()  # disarmed once committed
         final = self.root / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
-        if self.rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self._barrier()
+        try:
+            if self.rank == 0:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            self._barrier()
+        except BaseException:
+            limit.cancel()
+            raise
 
         def finish(future: Future | None) -> None:
+            try:
+                write(future)
+            finally:  # committed, or failed with an error of its own: either way not hung
+                limit.cancel()
+
+        def write(future: Future | None) -> None:
             if future is not None:
                 future.result()
             self._write_small_files(tmp, train_state, info, extra_files)
@@ -146,14 +160,22 @@ class CheckpointManager:
             self._barrier()
 
         if async_save:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
-                                        process_group=self.control_group, async_stager=self._staging)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                                            process_group=self.control_group, async_stager=self._staging)
+            except BaseException:
+                limit.cancel()
+                raise
             self._pending = threading.Thread(target=self._run_pending, args=(finish, future), daemon=True)
             self._pending.start()
         else:
-            dcp_save(tensors, tmp, self.control_group)
+            try:
+                dcp_save(tensors, tmp, self.control_group)
+            except BaseException:
+                limit.cancel()
+                raise
             finish(None)
 
     def _run_pending(self, finish: Callable[[Future | None], None], future: Future) -> None:

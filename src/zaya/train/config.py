@@ -72,6 +72,9 @@ class CheckpointSection:
     every: int = 100  # steps between checkpoints; the last step is always saved
     keep: int = 3  # the newest checkpoints kept; older ones are deleted
     async_save: bool = False  # stage the tensors in memory and write them while training goes on
+    # a save or a load of a checkpoint that takes longer than this ends the process with one line (hung storage
+    # would otherwise hold every rank for ever); the run resumes from its last committed checkpoint; 0: no limit
+    timeout_s: float = 3600.0
 
 
 @dataclass

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from zaya import checkpoint as ckpt
+from zaya.checkpoint.deadline import deadline
 from zaya.device import (
     STARTUP_MEASURE_S,
     DeviceTimer,
@@ -133,11 +134,13 @@ class Trainer:
         self._fresh_optimizer()
         self.manager = ckpt.CheckpointManager(self.checkpoint_dir, keep=self.config.checkpoint.keep,
                                               rank=self.launch.rank, world_size=self.launch.world_size,
-                                              control_group=self.parallel.control_group)
+                                              control_group=self.parallel.control_group,
+                                              timeout_s=self.config.checkpoint.timeout_s)
         self.progress, self.stops.clock = Progress(), Clock()
         if self.resume_from is not None:
             self.hooks("checkpoint_load", 0)
-            self._restore(self.resume_from)
+            with deadline(self.config.checkpoint.timeout_s, f"loading {self.resume_from}"):
+                self._restore(self.resume_from)
         self.curriculum.enter(self.progress, self.model, self.parallel, self.resume_from)
 
     def _fresh_optimizer(self) -> None:
