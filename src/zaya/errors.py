@@ -5,6 +5,8 @@ The CLI turns a `ZayaError` into a single line on stderr and exit code 2; any ot
 keeps its traceback.
 """
 
+import errno
+
 # Exit codes. `zaya train` ends with 0, EXIT_BAD_INPUT or EXIT_PREEMPTED; `zaya supervise` with any of them.
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2  # a ZayaError: bad input, said in one line
@@ -51,8 +53,6 @@ STORAGE_ERRNOS = {"ENOSPC": "no space left on device", "EDQUOT": "disk quota exc
 def storage_error(exc: BaseException) -> OSError | None:
     """The storage `OSError` behind `exc`, if any: itself, its causes and contexts, or (a distributed checkpoint's
     failure) the exceptions it gathered from the ranks."""
-    import errno
-
     seen: set[int] = set()
     todo = [exc]
     while todo:
@@ -71,8 +71,6 @@ def storage_error(exc: BaseException) -> OSError | None:
 
 def storage_message(error: OSError) -> str:
     """One line for a storage error: what the disk said, its errno name, and the file."""
-    import errno
-
     name = errno.errorcode[error.errno]
     where = f" while writing {error.filename}" if error.filename else ""
     if name in ("EIO", "ESTALE"):

@@ -75,6 +75,7 @@ class TrainingJob:
     notes: tuple[str, ...] = ()  # what the checks found worth saying: the trainer says it at its start
     lock: DirectoryLock | None = None  # rank 0's hold on the run directory, handed to the trainer
     phase_init: dict[int, WeightSource] = dataclasses.field(default_factory=dict)  # later phases' own weights
+    fingerprints: dict[str, list[str]] | None = None  # each phase's datasets', as the checks read them
 
     @classmethod
     def check(cls, config: RunConfig, run_dir: Path, *, launch: Launch, environ: Mapping[str, str],
@@ -113,11 +114,11 @@ class TrainingJob:
             precision = recorded or auto_precision(device, measure_bf16)
         run = config.resolve(launch.world_size, precision, compiles_training(device))
         run.check_job()
-        notes = check_inputs(run, resume_from, allow_data_change, allow_tokenizer_change)
+        notes, fingerprints = check_inputs(run, resume_from, allow_data_change, allow_tokenizer_change)
         init_from, init_notes = init_source(run, resume_from)
         later, later_notes = phase_sources(run, resume_from)
         return cls(config, Path(run_dir), launch, environ, device, supervision, policy, resume_from, recorded, run,
-                   allow_data_change, init_from, tuple(notes + init_notes + later_notes), lock, later)
+                   allow_data_change, init_from, tuple(notes + init_notes + later_notes), lock, later, fingerprints)
 
     def trainer(self, **setup) -> Trainer:
         """The trainer, once every rank passed the start-up check: the ranks agree on a measured precision
@@ -136,7 +137,7 @@ class TrainingJob:
             agreed = "fp32" if "fp32" in launch.gather("precision", run.precision) else "bf16"
             if agreed != run.precision:
                 run = self.run = self.config.resolve(launch.world_size, agreed, compiles_training(self.device))
-        check_ranks_agree(run, launch.gather)
+        check_ranks_agree(run, launch.gather, self.fingerprints)
         supervision = self.supervision
         listeners, scales = [], []
         if supervision.heartbeat_dir is not None:

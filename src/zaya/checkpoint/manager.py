@@ -129,54 +129,43 @@ class CheckpointManager:
         limit = Deadline(self.timeout_s, f"checkpoint step {step}'s save").start()  # disarmed once committed
         final = self.root / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
+
+        def finish(future: Future | None) -> None:
+            try:
+                if future is not None:
+                    future.result()
+                self._write_small_files(tmp, train_state, info, extra_files)
+                write_manifest(tmp, self.rank, self._own_files(tmp))
+                if on_written is not None:
+                    on_written()
+                self._barrier()
+                if self.rank == 0:
+                    self._commit(tmp, final)
+                    if on_commit is not None:
+                        on_commit(final)
+                self._barrier()
+            finally:  # committed, or failed with an error of its own: either way not hung
+                limit.cancel()
+
         try:
             if self.rank == 0:
                 if tmp.exists():
                     shutil.rmtree(tmp)
                 tmp.mkdir(parents=True)
             self._barrier()
-        except BaseException:
-            limit.cancel()
-            raise
-
-        def finish(future: Future | None) -> None:
-            try:
-                write(future)
-            finally:  # committed, or failed with an error of its own: either way not hung
-                limit.cancel()
-
-        def write(future: Future | None) -> None:
-            if future is not None:
-                future.result()
-            self._write_small_files(tmp, train_state, info, extra_files)
-            write_manifest(tmp, self.rank, self._own_files(tmp))
-            if on_written is not None:
-                on_written()
-            self._barrier()
-            if self.rank == 0:
-                self._commit(tmp, final)
-                if on_commit is not None:
-                    on_commit(final)
-            self._barrier()
-
-        if async_save:
-            try:
+            if async_save:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
                                             process_group=self.control_group, async_stager=self._staging)
-            except BaseException:
-                limit.cancel()
-                raise
-            self._pending = threading.Thread(target=self._run_pending, args=(finish, future), daemon=True)
-            self._pending.start()
-        else:
-            try:
+                self._pending = threading.Thread(target=self._run_pending, args=(finish, future), daemon=True)
+                self._pending.start()
+            else:
                 dcp_save(tensors, tmp, self.control_group)
-            except BaseException:
-                limit.cancel()
-                raise
-            finish(None)
+                finish(None)
+        except BaseException:  # before the writer took over: the deadline is this thread's to disarm
+            limit.cancel()
+            raise
 
     def _run_pending(self, finish: Callable[[Future | None], None], future: Future) -> None:
         try:

@@ -13,7 +13,6 @@ import binascii
 import dataclasses
 import hashlib
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from zaya import checkpoint as ckpt
 from zaya.data.dataset_reader import open_dataset
 from zaya.data.tokenizer import TOKENIZER_FILE
 from zaya.errors import ZayaError
+from zaya.optim.config import finite_number
 from zaya.run_dir import CHECKPOINTS_DIR
 from zaya.train.checkpointing import Progress
 from zaya.train.config import CheckpointSection
@@ -79,7 +79,7 @@ def _like(value, default) -> bool:
     if isinstance(default, int):
         return _count(value)
     if isinstance(default, float):
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return finite_number(value)
     return isinstance(value, type(default))
 
 
@@ -151,11 +151,12 @@ def saved_phase(checkpoint: Path | None, phases: int) -> int:
 
 
 def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: bool = False,
-                 allow_tokenizer_change: bool = False) -> list[str]:
+                 allow_tokenizer_change: bool = False) -> tuple[list[str], dict[str, list[str]]]:
     """Every phase's datasets exist and fit the model's vocabulary; a checkpoint to resume is of this format
     version, was trained on the same data (unless `allow_data_change`) and with the same tokenizer (unless
     `allow_tokenizer_change`: other ids for the same text make the trained model a stranger to its data).
-    Returns warnings: a model vocabulary larger than the data's needs (rows that are never trained)."""
+    Returns warnings (a model vocabulary larger than the data's needs: rows that are never trained) and each
+    phase's dataset fingerprints."""
     fingerprints, tokenizers, notes = {}, {}, []
     for phase in run.phases:
         for source in phase.sources:
@@ -175,7 +176,7 @@ def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: 
         fingerprints[phase.name] = [dataset.fingerprint for dataset in datasets]
         tokenizers[phase.name] = datasets[0].tokenizer_path
     if resume_from is None:
-        return notes
+        return notes, fingerprints
     version = ckpt.read_json(resume_from / ckpt.INFO_FILE).get("version")
     if version != ckpt.VERSION:
         raise ZayaError(f"{resume_from}: a checkpoint of format version {version}, whose optimizer state this "
@@ -194,23 +195,26 @@ def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: 
         if trained_with.read_bytes() != now.read_bytes():
             raise ZayaError(f"{resume_from}: the run was trained with another tokenizer than {now} (the same "
                             "text becomes other token ids); pass --allow-tokenizer-change to continue anyway")
-    return notes
+    return notes, fingerprints
 
 
-def check_ranks_agree(run: ResolvedRun, gather: Callable[[str, str], list[str]]) -> None:
+def check_ranks_agree(run: ResolvedRun, gather: Callable[[str, str], list[str]],
+                      fingerprints: dict[str, list[str]] | None = None) -> None:
     """Every rank resolved the same run from the same data, or every rank raises `ZayaError` naming the first
     setting that differs (a rank with another config file, `--set` or dataset would otherwise hang in a
-    collective, fail in one, or train on other data unnoticed). `gather(name, value)` is every rank's value."""
-    text = json.dumps(run_settings(run), sort_keys=True, default=str)
+    collective, fail in one, or train on other data unnoticed). `gather(name, value)` is every rank's value;
+    `fingerprints` the phases' datasets' (`check_inputs`), else read again."""
+    text = json.dumps(run_settings(run, fingerprints), sort_keys=True, default=str)
     digests = gather("run-fingerprint", hashlib.sha256(text.encode()).hexdigest())
     if len(set(digests)) > 1:  # rare: only then does every rank send the whole of its settings
         raise ZayaError(disagreement([json.loads(t) for t in gather("run-settings", text)]))
 
 
-def run_settings(run: ResolvedRun) -> dict:
+def run_settings(run: ResolvedRun, fingerprints: dict[str, list[str]] | None = None) -> dict:
     """The resolved config and each phase's dataset fingerprints, flat: {"config.optim.lr": 0.01, ...}."""
-    datasets = {phase.name: [open_dataset(s.path).fingerprint for s in phase.sources] for phase in run.phases}
-    return _flat({"config": run.record, "data": datasets})
+    if fingerprints is None:
+        fingerprints = {phase.name: [open_dataset(s.path).fingerprint for s in phase.sources] for phase in run.phases}
+    return _flat({"config": run.record, "data": fingerprints})
 
 
 def disagreement(settings: list[dict]) -> str:
