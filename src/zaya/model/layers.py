@@ -96,7 +96,10 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def _inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
-        return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        # computed on the CPU and moved: under the meta device, `pow` would load the compiler's decompositions,
+        # over a second of a process's start
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
+        return (1.0 / (base ** exponents)).to(torch.get_default_device())
 
     @staticmethod
     def _partner(head_dim: int, rotary_dim: int) -> torch.Tensor:

@@ -118,13 +118,17 @@ class Zaya(nn.Module):
         # alone (not also those of each layer's constructor), so that a sharded model built shard by shard
         # draws the same stream (`zaya.parallel.materialize`)
         with torch.device("meta"):
-            self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+            # an explicit weight skips nn.Embedding's own draw, whose meta kernel costs the first caller of a
+            # process over a second (it loads the compiler's decompositions)
+            self.embed = nn.Embedding(config.vocab_size, config.hidden_size,
+                                      _weight=torch.empty(config.vocab_size, config.hidden_size))
             self.embed_scaling = EmbeddingScaling(config.hidden_size)
             self.rotary = RotaryEmbedding(config.head_dim, config.rotary_dim, config.rope_theta)
             self.blocks = nn.ModuleList(ZayaBlock(config, i) for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.to_empty(device=device)
-        self.reset_parameters()
+        if device.type != "meta":  # a meta tensor holds no values (and its draws would cost a second)
+            self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

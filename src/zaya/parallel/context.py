@@ -101,6 +101,9 @@ class ContextParallel:
         self.chunk_ids = layout.chunks(self.rank)
         self.attention_work = 0
         self._halo_plan = _halo_plan(layout, self.rank)
+        # collectives inside: a compiled block calls it eagerly. Wrapped here rather than decorated, since
+        # `torch.compiler.disable` imports the compiler (most of a second) and a run without cp needs none.
+        self.exchange_halo = torch.compiler.disable(self._exchange_halo)
 
     @property
     def segments(self) -> int:
@@ -114,8 +117,7 @@ class ContextParallel:
         """This rank's part of a whole-sequence tensor (token ids, targets)."""
         return self.layout.shard(tensor, self.rank, dim)
 
-    @torch.compiler.disable  # collectives inside: a compiled block calls it eagerly
-    def exchange_halo(self, tails: Tensor) -> Tensor:
+    def _exchange_halo(self, tails: Tensor) -> Tensor:
         """`tails` [B, segments, n]: what each of this rank's segments ends with. Returns [B, segments, n]:
         what the segment logically preceding each of them ends with (zeros before the first chunk)."""
         return _HaloExchange.apply(tails, self)
