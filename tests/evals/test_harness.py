@@ -18,6 +18,15 @@ from zaya.errors import ZayaError
 from zaya.evals.harness import ZayaLM
 
 TASKS = Path(__file__).parent / "tasks"
+# `python -m zaya.evals ARGS`, with lm_eval's TaskManager told not to index lm_eval's own tasks
+CLI_WITHOUT_DEFAULT_TASKS = """
+import functools, sys
+import lm_eval.tasks
+lm_eval.tasks.TaskManager.__init__ = functools.partialmethod(lm_eval.tasks.TaskManager.__init__,
+                                                             include_defaults=False)
+from zaya.evals.__main__ import main
+sys.exit(main())
+"""
 TASK_NAMES = ["zaya_code_choice", "zaya_code_complete"]
 TEXTS = ["def decode(self, s):\n    return self.raw_decode(s)[0]\n", "import json", "x",
          "class JSONEncoder(object):\n    item_separator = ', '\n    key_separator = ': '\n"]
@@ -116,8 +125,9 @@ def test_lm_eval_finds_the_zaya_model_by_name(trained_run, task_manager, in_task
     by_name = lm_eval.simple_evaluate(model="zaya", model_args=f"path={trained_run},batch_size=4",
                                       tasks=["zaya_code_choice"], task_manager=task_manager, limit=4)
     assert by_name["results"]["zaya_code_choice"]["sample_len"] == 4
-    # the lm_eval command line, with the zaya model registered
-    done = subprocess.run([sys.executable, "-m", "zaya.evals", "--model", "zaya", "--model_args",
+    # the lm_eval command line in a fresh process, with the zaya model registered; its TaskManager indexes
+    # tasks/ alone, as the fixture's does (lm_eval's own thousands of tasks take most of half a minute)
+    done = subprocess.run([sys.executable, "-c", CLI_WITHOUT_DEFAULT_TASKS, "--model", "zaya", "--model_args",
                            f"path={trained_run}", "--tasks", "zaya_code_choice", "--include_path", str(TASKS),
                            "--limit", "4", "--output_path", str(tmp_path / "out")],
                           cwd=TASKS, capture_output=True, text=True, timeout=600)
