@@ -58,10 +58,16 @@ def test_build_optimizer_covers_every_parameter_once():
     optimizer = build_optimizer(model, OptimConfig(lr=3e-3, adamw_lr=1e-3, weight_decay=0.05))
     ids = [id(p) for group in optimizer.param_groups for p in group["params"]]
     assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    vectors = {"adamw/norms", "adamw/biases", "adamw/residual-scaling", "adamw/eda-gammas", "adamw/temperatures"}
+    rates = {"muon": 3e-3, "adamw": 1e-3, "vector": 3e-5}  # the vectors at vector_lr_ratio (0.03) of AdamW's
     for group in optimizer.param_groups:
-        assert group["initial_lr"] == group["lr"] == (3e-3 if group["algorithm"] == "muon" else 1e-3)
+        kind = "vector" if group["name"] in vectors else group["algorithm"]
+        assert group["initial_lr"] == group["lr"] == pytest.approx(rates[kind]), group["name"]
         assert group["name"].startswith(group["algorithm"] + "/")
         assert group["weight_decay"] in (0.0, 0.05)
+    assert {group["name"] for group in optimizer.param_groups} >= vectors | {"adamw/embedding", "muon/experts"}
+    whole = build_optimizer(model, OptimConfig(lr=3e-3, vector_lr_ratio=1.0))  # the rate of every AdamW group
+    assert {group["lr"] for group in whole.param_groups} == {3e-3}
 
 
 def test_describe_param_groups_adds_up():
@@ -91,10 +97,11 @@ def test_adamw_groups_match_torch_adamw(make_model):
     adamw_groups = [g for g in optimizer.param_groups if g["algorithm"] == "adamw"]
     reference = torch.optim.AdamW(
         [
-            {"params": [twin_params[names[id(p)]] for p in g["params"]], "weight_decay": g["weight_decay"]}
+            {"params": [twin_params[names[id(p)]] for p in g["params"]], "weight_decay": g["weight_decay"],
+             "lr": g["lr"]}
             for g in adamw_groups
         ],
-        lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+        betas=(0.9, 0.95), eps=1e-8,
     )  # fmt: skip
     for step in range(3):
         fill_grads(model, step)
@@ -105,6 +112,7 @@ def test_adamw_groups_match_torch_adamw(make_model):
         for param in group["params"]:
             assert torch.equal(param.detach(), twin_params[names[id(param)]].detach())
     assert any(g["weight_decay"] > 0 for g in adamw_groups) and any(g["weight_decay"] == 0 for g in adamw_groups)
+    assert sorted({round(g["lr"], 12) for g in adamw_groups}) == [3e-4, 1e-2]  # the vectors at 0.03 x
 
 
 def test_muon_groups_match_muon(make_model):
@@ -182,6 +190,8 @@ def test_groups_need_a_known_algorithm():
         ("lr", 0.0),
         ("weight_decay", -0.1),
         ("adamw_lr", -1.0),
+        ("vector_lr_ratio", 0.0),
+        ("vector_lr_ratio", float("nan")),
         ("adamw_betas", (0.9, 1.0)),
         ("adamw_eps", 0),
         ("decay_vectors", "yes"),

@@ -22,6 +22,7 @@ from runs import checkpoint_tensors, write_config
 from zaya import checkpoint as ckpt
 from zaya.config import load_config
 from zaya.errors import ZayaError
+from zaya.optim.config import OptimConfig
 from zaya.train.metrics import read_metrics
 from zaya.training import build_trainer
 
@@ -38,8 +39,9 @@ LOSS_TOLERANCE = 1e-5
 # parameters moved up to 1.03e-5 (relative) from one process's on 1 -> 3 and 2 -> 3, and up to 1.9e-5 on 3
 # ranks from the start (on an Intel Xeon's BLAS); since the model draws its initial values once per tensor
 # (`Zaya.initializers`), the two-expert model of the row-split test moves up to 5.1e-5 on 3 -> 2 ranks in its
-# convolutions' small weights (its twin 1.1e-5), on a Zen 3 EPYC
-TOLERANCE = 1e-4
+# convolutions' small weights (its twin 1.1e-5), on a Zen 3 EPYC, and 1.2e-4 since the vectors train at
+# `optim.vector_lr_ratio` of AdamW's rate; a sharding bug moves a tensor by far more (order 1)
+TOLERANCE = 2e-4
 # Some small tensors are ill-conditioned in fp32: one process with 4 samples per micro-batch instead of 2 ends
 # 5.9e-5 (relative) from itself in the 192 weights of blocks.1.attn.conv0_weight, 94% of it in one element whose
 # AdamW update divides near-cancelling moments. Such a tensor may differ from one process by ORDER_FACTOR times
@@ -61,8 +63,16 @@ def _train(config: Path, run_dir: Path, nproc: int, *sets: str) -> list[tuple[in
     return results
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+def _relative(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
+    """||a - b|| / ||b||, with ||b|| taken as at least `floor`."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(floor)).item()
+
+
+# The vectors move by up to one AdamW step of their rate (lr x optim.vector_lr_ratio) per element and step; a
+# tensor that has moved from zero by a few such steps (a router bias: 1e-4 to 5e-4 after 4 steps) is compared
+# against the size it could have reached, so that its reduction-order error is not read as a relative error of
+# its tiny values
+VECTOR_STEP = SECTIONS["optim"]["lr"] * OptimConfig().vector_lr_ratio
 
 
 def _assert_same_training(run: Path, reference: Path, steps: range) -> None:
@@ -82,8 +92,9 @@ def _assert_same_training(run: Path, reference: Path, steps: range) -> None:
     twin = zaya.load_model(reference.with_name(reference.name + "-twin") / "checkpoints" / last).state_dict()
     assert set(ours) == set(theirs)
     for name in theirs:
-        bound = max(TOLERANCE, ORDER_FACTOR * _relative(twin[name], theirs[name]))
-        assert _relative(ours[name], theirs[name]) <= bound, name
+        floor = VECTOR_STEP * steps[-1] * theirs[name].numel() ** 0.5
+        bound = max(TOLERANCE, ORDER_FACTOR * _relative(twin[name], theirs[name], floor))
+        assert _relative(ours[name], theirs[name], floor) <= bound, name
     ours_state = ckpt.read_json(run / "checkpoints" / last / ckpt.TRAIN_STATE_FILE)["state"]
     theirs_state = ckpt.read_json(reference / "checkpoints" / last / ckpt.TRAIN_STATE_FILE)["state"]
     assert ours_state["loaders"] == theirs_state["loaders"]  # consumed samples carried over exactly
@@ -103,7 +114,7 @@ def _reference(root: Path, dataset: Path, steps: int, **sections) -> Path:
 @pytest.fixture(scope="module")
 def single(dataset, tmp_path_factory) -> Path:
     """The reference: the same run in one process."""
-    return _reference(tmp_path_factory.mktemp("single"), dataset, 14)
+    return _reference(tmp_path_factory.mktemp("single"), dataset, 10)
 
 
 def _shards_by_rank(directory: Path) -> dict[int, int]:
@@ -114,14 +125,13 @@ def _shards_by_rank(directory: Path) -> dict[int, int]:
 def test_a_checkpoint_chain_across_world_sizes_and_meshes_trains_like_one_process(dataset, tmp_path, single):
     config, run = _config(tmp_path, dataset), tmp_path / "run"
     _train(config, run, 1, "train.max_steps=2")
-    # every sharding mode resumes in every other: full (the one rank) -> ZeRO-2 (one gathering and one reduction
+    # each sharding mode resumes in the others: full (the one rank) -> ZeRO-2 (one gathering and one reduction
     # per step of 2 or 3 micro-batches) -> full -> ZeRO-1 (whole parameters kept, gathered again after each
-    # update) under HSDP -> ZeRO-2 -> ZeRO-1 -> full
+    # update) under HSDP -> full. ZeRO-2 saves and loads the sharded parameters as full sharding does, so
+    # ZeRO-2 <-> ZeRO-1 takes the paths full <-> ZeRO-1 takes.
     chain = [(2, ["parallel.sharding=zero2"], "zero2 sharding; mesh dp_replicate 1 x dp_shard 2"),
              (3, [], "full sharding; mesh dp_replicate 1 x dp_shard 3"),
              (4, ["parallel.dp_replicate=2", "parallel.sharding=zero1"], "zero1 sharding; mesh dp_replicate 2"),
-             (2, ["parallel.sharding=zero2"], "zero2 sharding; mesh dp_replicate 1 x dp_shard 2"),
-             (3, ["parallel.sharding=zero1"], "zero1 sharding; mesh dp_replicate 1 x dp_shard 3"),
              (2, [], "full sharding; mesh dp_replicate 1 x dp_shard 2")]
     written = 1
     for index, (nproc, mesh, shape) in enumerate(chain):
@@ -144,7 +154,7 @@ def test_a_checkpoint_chain_across_world_sizes_and_meshes_trains_like_one_proces
         assert len(metadata.state_dict_metadata[key].chunks) == 2, key
     shards = _shards_by_rank(run / "checkpoints" / "step_00000010")
     assert set(shards) == {0, 1} and min(shards.values()) > 0.4 * max(shards.values())
-    _assert_same_training(run, single, range(1, 15))
+    _assert_same_training(run, single, range(1, 11))
 
     from transformers import AutoModelForCausalLM
 
@@ -201,7 +211,7 @@ def test_async_saves_hold_the_values_of_their_step(dataset, tmp_path):
 
 @pytest.mark.slow
 def test_two_torchrun_agents_form_one_job_that_survives_a_killed_rank(dataset, tmp_path, single):
-    """Two "nodes" of two ranks each, HSDP across them; rank 3 is killed before step 4 of the first attempt,
+    """Two "nodes" of one rank each, HSDP across them; rank 1 is killed before step 4 of the first attempt,
     torchrun restarts the job, and it resumes from the checkpoint of step 3. Torchrun may restart the healthy
     agent's workers without counting a restart, so the two agents' restart counts can differ; the ranks still
     meet on the second attempt's own store (tests/parallel/test_launch.py), within seconds, not after
@@ -209,12 +219,12 @@ def test_two_torchrun_agents_form_one_job_that_survives_a_killed_rank(dataset, t
     config = _config(tmp_path, dataset, train={"max_steps": 6}, checkpoint={"every": 3})
     run = tmp_path / "run"
     port = free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=zaya-test",
                "--max-restarts=1", "--monitor-interval=0.5", "-m", "zaya.cli", "train", str(config),
                "--run-dir", str(run), "--set", "parallel.dp_replicate=2", "--set", "parallel.timeout_s=60",
                "--set", "parallel.init_timeout_s=60"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ZAYA_FAULTS": "sigkill@step:4@rank=3@attempt=0"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ZAYA_FAULTS": "sigkill@step:4@rank=1@attempt=0"}
     agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True) for _ in range(2)]
     outputs = []

@@ -25,6 +25,10 @@ class OptimConfig:
     lr: float = 1e-3  # Muon's rate, and AdamW's unless adamw_lr is set
     weight_decay: float = 0.1  # decoupled; on the matrices (Muon's, the embedding, the convolutions)
     adamw_lr: float | None = None  # AdamW's rate; unset: lr
+    # the vectors' rate (norms, biases, residual scales and biases, EDA gammas, temperatures) over AdamW's: at
+    # AdamW's full rate their first steps move every token's stream and router input alike, and the routers
+    # send every token to one expert (docs/design.md, "Optimizer")
+    vector_lr_ratio: float = 0.03
     adamw_betas: tuple[float, float] = (0.9, 0.95)  # AdamW's (beta1, beta2)
     adamw_eps: float = 1e-8  # AdamW's epsilon
     decay_vectors: bool = False  # also decay norms, biases, scales, EDA gammas and temperatures
@@ -51,9 +55,16 @@ class OptimConfig:
     def adamw_rate(self) -> float:
         return self.lr if self.adamw_lr is None else self.adamw_lr
 
+    def rate(self, algorithm: str, role: str) -> float:
+        """The configured rate of a param group of `algorithm` ("muon", "adamw") holding parameters of `role`
+        (`zaya.model.groups`: "matrix", "weight", "vector", or "other")."""
+        if algorithm == "muon":
+            return self.lr
+        return self.adamw_rate * (self.vector_lr_ratio if role == "vector" else 1.0)
+
     def validate(self, source: str = "optimizer config") -> None:
         """Raise `ZayaError` naming the first field that cannot configure the optimizer."""
-        for name in ("lr", "adamw_eps", "ns_eps"):
+        for name in ("lr", "adamw_eps", "ns_eps", "vector_lr_ratio"):
             if not positive_number(getattr(self, name)):
                 raise ZayaError(f"{source}: field '{name}' must be a positive number, got {getattr(self, name)!r}")
         if self.adamw_lr is not None and not positive_number(self.adamw_lr):

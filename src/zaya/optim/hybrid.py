@@ -7,7 +7,8 @@ The split follows the groups the model declares (`zaya.model.groups`), by their 
             matrices on its own)
     AdamW   the tied embedding (also the LM head) and the convolution weights, with weight decay;
             norms, biases, residual scales and biases, the embedding affine, EDA gammas and key
-            temperatures, without weight decay unless `decay_vectors` is set
+            temperatures, without weight decay unless `decay_vectors` is set, at `vector_lr_ratio` (0.03) of
+            AdamW's rate
 
 With `adjust_lr_fn="match_rms_adamw"` Muon's updates have AdamW's RMS, so both take the same learning
 rate and one schedule: each param group keeps its configured rate as `initial_lr`, and the trainer sets
@@ -48,6 +49,7 @@ class ParamGroupSpec:
     decay: bool  # weight decay applies (always for matrices; for vectors when `decay_vectors`)
     names: list[str] = field(default_factory=list)
     params: list[nn.Parameter] = field(default_factory=list)
+    role: str = "other"  # the model's role of its members (`zaya.model.groups`): matrix, weight, vector
 
     @property
     def numel(self) -> int:
@@ -77,7 +79,7 @@ def split_parameters(model: nn.Module, decay_vectors: bool = False) -> list[Para
     for group in declare():
         algorithm, decay = ROLE_ALGORITHMS[group.role]
         specs.append(ParamGroupSpec(f"{algorithm}/{group.name}", algorithm, decay or decay_vectors,
-                                    list(group.names), list(group.params)))
+                                    list(group.names), list(group.params), group.role))
     return specs
 
 
@@ -228,7 +230,8 @@ def build_optimizer(model: nn.Module, config: OptimConfig | None = None, comm: C
                 adjust_lr_fn=config.adjust_lr_fn, ns_dtype=config.ns_dtype, ns_backend=config.ns_backend,
             )  # fmt: skip
         else:
-            hyper = adamw_defaults(config.adamw_rate, config.adamw_betas, config.adamw_eps, weight_decay)
+            hyper = adamw_defaults(config.rate("adamw", spec.role), config.adamw_betas, config.adamw_eps,
+                                   weight_decay)
         groups.append(
             {"params": spec.params, "name": spec.name, "algorithm": spec.algorithm, **hyper, "initial_lr": hyper["lr"]}
         )
@@ -243,7 +246,7 @@ def describe_param_groups(model: nn.Module, config: OptimConfig | None = None) -
     header = f"{'group':<24}{'algorithm':<10}{'lr':>9}{'wd':>6}{'tensors':>9}{'matrices':>10}{'parameters':>16}  names"
     lines = [header, "-" * len(header)]
     for spec in specs:
-        lr = config.lr if spec.algorithm == "muon" else config.adamw_rate
+        lr = config.rate(spec.algorithm, spec.role)
         wd = config.weight_decay if spec.decay else 0.0
         matrices = f"{spec.matrices:,}" if spec.algorithm == "muon" else "-"
         lines.append(
