@@ -73,7 +73,8 @@ class CollapseWatch:
                        f"step {step}: experts collapsing in MoE layer{'s' if len(newly) > 1 else ''} {layers}: the "
                        f"busiest expert took more than {s.collapse_ratio:g} x the mean load in "
                        f"{max(1, s.collapse_steps)} steps in a row (up to {worst:.2f} x now)",
-                       "raise balance.ki (the balancing gain) or lower the learning rate", count=len(newly))
+                       "lower optim.vector_lr_ratio or the learning rate (docs/design.md, \"Optimizer\")",
+                       count=len(newly))
 
 
 def straggler(step: int, host_times: list[float], settings: TrainingSettings) -> Finding | None:
