@@ -21,6 +21,7 @@ from pathlib import Path
 from common import header
 from trainer_overhead import make_dataset
 from zaya.config import load_config
+from zaya.config_toml import toml_value
 from zaya.report.report import read_all_incidents
 from zaya.train.metrics import read_metrics
 from zaya.training import build_trainer
@@ -28,41 +29,27 @@ from zaya.training import build_trainer
 warnings.filterwarnings("ignore")
 
 SHAPES = {
-    "demo": 'preset = "tiny"\nhidden_size = 192\nhead_dim = 24\nnum_experts = 4',
-    "tiny": 'preset = "tiny"',
+    "demo": {"preset": "tiny", "hidden_size": 192, "head_dim": 24, "num_experts": 4},
+    "tiny": {"preset": "tiny"},
 }
 
 
 def run(root: Path, data: Path, args: argparse.Namespace, shape: str, ratio: float) -> dict:
     name = f"{shape}-{ratio:g}"
+    sections = {
+        "model": {**SHAPES[shape], "temp_init": 1.0},
+        "data": {"path": str(data), "seq_len": args.seq},
+        "train": {"seed": 0, "max_steps": args.steps, "micro_batch_size": args.batch,
+                  "global_batch_size": args.batch, "precision": "fp32", "eval_every": 0},
+        "optim": {"lr": 0.01, "vector_lr_ratio": ratio, "ns_dtype": "float32"},
+        "schedule": {"warmup_steps": 20},
+        "checkpoint": {"every": 100000},
+        "logging": {"log_every": 1, "progress": False, "tensorboard": False},
+    }
     config = root / f"{name}.toml"
-    config.write_text(f"""
-[model]
-{SHAPES[shape]}
-temp_init = 1.0
-[data]
-path = "{data}"
-seq_len = {args.seq}
-[train]
-seed = 0
-max_steps = {args.steps}
-micro_batch_size = {args.batch}
-global_batch_size = {args.batch}
-precision = "fp32"
-eval_every = 0
-[optim]
-lr = 0.01
-vector_lr_ratio = {ratio}
-ns_dtype = "float32"
-[schedule]
-warmup_steps = 20
-[checkpoint]
-every = 100000
-[logging]
-log_every = 1
-progress = false
-tensorboard = false
-""")
+    config.write_text("\n".join(f"[{section}]\n" + "".join(f"{key} = {toml_value(value)}\n"
+                                                            for key, value in table.items())
+                                 for section, table in sections.items()))
     start = time.perf_counter()
     build_trainer(load_config(config), root / name).run()
     seconds = time.perf_counter() - start
