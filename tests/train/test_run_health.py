@@ -92,7 +92,7 @@ def test_the_default_recipe_keeps_the_demo_model_at_lr_0_01_from_collapsing(data
         outcomes[ratio] = (_first_collapse(rows, settings), rows[-1]["loss"],
                            [max(row["expert_imbalance"]) for row in rows])
     step, before, loads = outcomes[1.0]
-    assert step is not None and max(loads[-10:]) == 4.0, loads  # every token to one expert
+    assert step is not None and min(loads[-10:]) >= 3.5, loads  # measured 4.0: every token to one expert
     step, after, loads = outcomes[None]
     assert step is None and max(loads[-10:]) < 3.5, loads  # measured 2.2-2.8
     assert after < before - 0.1
