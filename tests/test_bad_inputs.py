@@ -245,7 +245,7 @@ def test_a_storage_error_deep_in_a_failure_is_the_line(tmp_path, cli, monkeypatc
 
 def test_ranks_that_read_other_data_disagree_on_its_fingerprint(dataset, tmp_path):
     from zaya.data.build import BuildOptions, build_dataset
-    from zaya.train.inputs import disagreement, run_settings
+    from zaya.train.inputs import check_inputs, disagreement, run_settings
 
     source = tmp_path / "other.txt"
     source.write_text("other words entirely\n" * 300)
@@ -253,7 +253,7 @@ def test_ranks_that_read_other_data_disagree_on_its_fingerprint(dataset, tmp_pat
     build_dataset(BuildOptions(inputs=(str(source),), out=other, vocab_size=300, val_fraction=0.1, workers=1))
     runs = [load_config(write_config(tmp_path / f"{n}.toml", path)).resolve(2, "fp32")
             for n, path in (("a", dataset), ("b", other))]
-    settings = [run_settings(run) for run in runs]
+    settings = [run_settings(run, check_inputs(run, None)[1]) for run in runs]
     for flat in settings:  # the same path on both ranks, mounted to other data on rank 1
         flat["config.data.path"] = "data/shared"
         flat["config.phases.0.sources.0.path"] = "data/shared"

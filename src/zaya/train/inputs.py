@@ -199,21 +199,20 @@ def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: 
 
 
 def check_ranks_agree(run: ResolvedRun, gather: Callable[[str, str], list[str]],
-                      fingerprints: dict[str, list[str]] | None = None) -> None:
+                      fingerprints: dict[str, list[str]]) -> None:
     """Every rank resolved the same run from the same data, or every rank raises `ZayaError` naming the first
     setting that differs (a rank with another config file, `--set` or dataset would otherwise hang in a
     collective, fail in one, or train on other data unnoticed). `gather(name, value)` is every rank's value;
-    `fingerprints` the phases' datasets' (`check_inputs`), else read again."""
+    `fingerprints` the phases' datasets' (`check_inputs`)."""
     text = json.dumps(run_settings(run, fingerprints), sort_keys=True, default=str)
     digests = gather("run-fingerprint", hashlib.sha256(text.encode()).hexdigest())
     if len(set(digests)) > 1:  # rare: only then does every rank send the whole of its settings
         raise ZayaError(disagreement([json.loads(t) for t in gather("run-settings", text)]))
 
 
-def run_settings(run: ResolvedRun, fingerprints: dict[str, list[str]] | None = None) -> dict:
-    """The resolved config and each phase's dataset fingerprints, flat: {"config.optim.lr": 0.01, ...}."""
-    if fingerprints is None:
-        fingerprints = {phase.name: [open_dataset(s.path).fingerprint for s in phase.sources] for phase in run.phases}
+def run_settings(run: ResolvedRun, fingerprints: dict[str, list[str]]) -> dict:
+    """The resolved config and each phase's dataset fingerprints (`check_inputs`), flat:
+    {"config.optim.lr": 0.01, ...}."""
     return _flat({"config": run.record, "data": fingerprints})
 
 
