@@ -1,7 +1,9 @@
 """`[parallel]` of a run config, and what `parallelize` applies to a model: plain settings, read without torch.
 
 The mesh's dimensions, outermost first: dp_replicate (HSDP replicas), dp_shard (FSDP2 shards), cp (context
-parallelism); see `zaya.parallel.mesh`.
+parallelism); see `zaya.parallel.mesh`. Expert parallelism (`ep`) is no dimension of its own: it splits the
+dp_shard x cp ranks, as torchtitan's does, into groups of `ep` consecutive ranks that hold different experts and
+exchange tokens (`zaya.parallel.experts`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP replicas, each a full copy of the sharded state (usually one per node)
     dp_shard: int = -1  # -1: every rank the other dimensions leave
     cp: int = 1  # context-parallel ranks that split each sequence
+    ep: int = 1  # expert parallelism: each block's experts split over groups of ep of the dp_shard x cp ranks
     sharding: str = "full"  # "zero2", "zero1": parameters gathered and gradients reduced once per step
     cp_kernel: str = "allgather"  # "ring" passes key/value blocks rank to rank, overlapped with compute
     cp_sharding: str = "headtail"  # "contiguous": chunk r on rank r (for debugging; unbalanced work)
@@ -39,7 +42,7 @@ class ParallelConfig:
 
     def validate(self, source: str) -> None:
         """Refuse values that fit no world size, naming the key."""
-        for key in ("dp_replicate", "cp"):
+        for key in ("dp_replicate", "cp", "ep"):
             if getattr(self, key) < 1:
                 raise ZayaError(f"{source}: key 'parallel.{key}' must be at least 1, got {getattr(self, key)}")
         if self.dp_shard < 1 and self.dp_shard != -1:
@@ -67,7 +70,18 @@ class ParallelConfig:
         if replicate * shard * cp != world_size:
             raise ZayaError(f"{source}: parallel.dp_replicate x dp_shard x cp = {replicate} x {shard} x {cp} = "
                             f"{replicate * shard * cp}, but the job has {world_size} ranks")
+        if (shard * cp) % self.ep:
+            raise ZayaError(f"{source}: parallel.ep = {self.ep} does not divide parallel.dp_shard x cp = {shard} x "
+                            f"{cp} = {shard * cp} (the experts are split over groups of ep of those ranks)")
         return replicate, shard, cp
+
+
+def experts_split_problem(num_experts: int, ep: int) -> str | None:
+    """What is wrong with splitting `num_experts` experts over `ep` ranks (None if nothing): whole experts,
+    the same number on every rank."""
+    if num_experts % ep:
+        return f"{num_experts} experts do not split into parallel.ep = {ep} equal groups of whole experts"
+    return None
 
 
 def sequence_split_problem(length: int, ranks: int, sharding: str, min_chunk: int = 1) -> str | None:

@@ -19,7 +19,7 @@ from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
 from zaya.optim.config import OptimConfig
 from zaya.optim.schedule import ScheduleConfig
-from zaya.parallel.config import ParallelConfig, ParallelizeConfig, sequence_split_problem
+from zaya.parallel.config import ParallelConfig, ParallelizeConfig, experts_split_problem, sequence_split_problem
 from zaya.train.config import BalanceSection, CheckpointSection, LoggingSection, Phase, TrainSection
 
 
@@ -60,6 +60,9 @@ class ResolvedRun:
         """Phase `phase`'s mesh on `world_size` ranks, after checking that its batches split over its
         data-parallel ranks and its sequences into its cp chunks (a ZayaError names the key that does not fit)."""
         shape = MeshShape(*self.parallel_of(phase).shape(self.world_size, self.source))
+        problem = experts_split_problem(self.model.num_experts, self.parallel.ep)
+        if problem:
+            raise ZayaError(f"{self.source}: key 'parallel.ep': {problem}")
         cp = shape.cp
         for size in self.ramp.sizes():
             if size % shape.dp:
