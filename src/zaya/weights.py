@@ -26,6 +26,7 @@ from zaya.model.hf import (
     safetensors_files,
 )
 from zaya.model.transformer import Zaya
+from zaya.parallel.experts import ExpertViews
 from zaya.run_dir import CHECKPOINTS_DIR
 
 LayoutChoice = Literal["auto", "native", "legacy"]
@@ -128,17 +129,21 @@ class WeightSource:
                     digest.update(chunk)
         return f"sha256:{digest.hexdigest()}"
 
-    def load_into(self, model: Zaya, process_group=None) -> None:
+    def load_into(self, model: Zaya, process_group=None, views: ExpertViews | None = None) -> None:
         """Fill `model`'s parameters and persistent buffers in place, whether they are whole tensors or FSDP2's
         DTensor shards (a checkpoint is resharded by DCP; an HF directory is read whole by every rank, each
-        keeping its shard); every rank of the model's mesh calls it."""
+        keeping its shard, and under expert parallelism (`views`) its experts); every rank of the model's mesh
+        calls it."""
         if self.kind == "checkpoint":
             state = get_model_state_dict(model)
-            checkpoint.load_tensors(self.path, {"model": state}, process_group=process_group)
+            whole = state if views is None else views.whole(state)  # filled in place: fills `state`
+            checkpoint.load_tensors(self.path, {"model": whole}, process_group=process_group)
             set_model_state_dict(model, state)
             return
         with torch.device("meta"):
             expected = {name: tensor.shape for name, tensor in Zaya(self.config).state_dict().items()}
         full = load_hf_state(self.path, self.config, expected, self.layout)
+        if views is not None:
+            full = views.rows(full)
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
 

@@ -291,3 +291,27 @@ def test_ranks_with_different_settings_stop_before_the_first_step_naming_the_key
         assert code == 2 and len(lines) == 1, err[-3000:]
         assert "the ranks disagree on config.optim.lr: 0.01 on rank 0, 0.02 on rank 1" in lines[0], lines
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_expert_parallelism_trains_like_one_process_and_its_checkpoints_reshard(dataset, tmp_path, single):
+    """Experts split over ep ranks, the tokens exchanged, on every layout in a chain of checkpoints: ep 2 on 2
+    ranks -> ep 4 on 4 -> ep 2 of dp_shard 4 (each expert stack sharded over 2 ranks), ZeRO-2 -> cp 2 x ep 2 ->
+    no expert parallelism on 2 ranks; then one process reads the last checkpoint."""
+    config, run = _config(tmp_path, dataset), tmp_path / "run"
+    chain = [(2, ["parallel.ep=2"], "dp_shard 2 x cp 1 (experts over ep 2)"),
+             (4, ["parallel.ep=4"], "dp_shard 4 x cp 1 (experts over ep 4)"),
+             (4, ["parallel.ep=2", "parallel.sharding=zero2"], "dp_shard 4 x cp 1 (experts over ep 2)"),
+             (4, ["parallel.ep=2", "parallel.cp=2"], "dp_shard 2 x cp 2 (experts over ep 2)"),
+             (2, [], "dp_shard 2 x cp 1 =")]
+    for index, (nproc, sets, shape) in enumerate(chain):
+        steps = 2 * (index + 1)
+        _train(config, run, nproc, *sets, f"train.max_steps={steps}")
+        segment = (run / "train.log").read_text().split("resumed from")[-1]
+        assert shape in segment, segment
+        _assert_same_training(run, single, range(steps - 1, steps + 1))
+        metadata = ckpt.read_metadata(run / "checkpoints" / f"step_{steps:08d}")
+        for key in ("model.blocks.0.moe.experts.gate_up_proj",
+                    "optim..state.blocks.0.moe.experts.down_proj.momentum_buffer"):
+            assert metadata.state_dict_metadata[key].size[0] == 4, key  # whole, keyed by expert
+    _assert_same_training(run, single, range(1, 11))

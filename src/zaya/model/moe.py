@@ -37,8 +37,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, F_))
         self.use_grouped_mm = HAS_GROUPED_MM
 
-    def forward(self, x_ND: torch.Tensor, expert_N: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
-        """sum over tokens of weight * Expert_{expert}(x); `expert` must lie in 0..E-1."""
+    def forward(self, x_ND: torch.Tensor, route_N: torch.Tensor, weight_N: torch.Tensor | None) -> torch.Tensor:
+        """weight * Expert_{route}(x) for every token, `route` in 0..E, E the skip route, where the caller gave the
+        weight 0 (None: no weight, 1). Skipped tokens ride along with the last expert: it keeps the dispatch free
+        of host syncs, and the skip route is (by its bias of -1) practically never taken."""
+        expert_N = route_N.clamp(max=self.num_experts - 1)
         if x_ND.shape[0] < self.num_experts and grouped_mm_pays_for_empty_groups(x_ND.device):
             if x_ND.shape[0] == 1:
                 return self._single(x_ND, expert_N, weight_N)
@@ -52,26 +55,31 @@ class Experts(nn.Module):
         h = matmul(x_grouped, self.gate_up_proj, sizes_E)
         gate, up = h.chunk(2, dim=-1)
         y_grouped = matmul(F.silu(gate) * up, self.down_proj, sizes_E)
-        return _from_rows(y_grouped, row_N) * weight_N[:, None].to(y_grouped.dtype)
+        return _weighted(_from_rows(y_grouped, row_N), weight_N)
 
-    def gathered(self, x_ND: torch.Tensor, expert_N: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
-        """The same sum for few tokens (decoding): each token's expert weights gathered, one batched matmul per
+    def gathered(self, x_ND: torch.Tensor, route_N: torch.Tensor, weight_N: torch.Tensor | None) -> torch.Tensor:
+        """The same for few tokens (decoding): each token's expert weights gathered, one batched matmul per
         projection, and no host sync (the compiled decode step uses it as it is)."""
+        expert_N = route_N.clamp(max=self.num_experts - 1)
         x = x_ND[:, :, None]
         gate_up = self.gate_up_proj.index_select(0, expert_N)
         x, gate_up = _autocast_operands(x, gate_up)
         gate, up = torch.bmm(gate_up, x).chunk(2, dim=1)
         down = self.down_proj.index_select(0, expert_N).to(x.dtype)
         y = torch.bmm(down, F.silu(gate) * up).squeeze(-1)
-        return y * weight_N[:, None].to(y.dtype)
+        return _weighted(y, weight_N)
 
-    def _single(self, x_ND: torch.Tensor, expert_N: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
+    def _single(self, x_ND: torch.Tensor, expert_N: torch.Tensor, weight_N: torch.Tensor | None) -> torch.Tensor:
         """One token, one expert: its weights read in place (the index is in host memory on the CPU)."""
         e = int(expert_N[0])
         x, gate_up = _autocast_operands(x_ND, self.gate_up_proj[e])
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, self.down_proj[e].to(x.dtype))
-        return y * weight_N[:, None].to(y.dtype)
+        return _weighted(y, weight_N)
+
+
+def _weighted(y_ND: torch.Tensor, weight_N: torch.Tensor | None) -> torch.Tensor:
+    return y_ND if weight_N is None else y_ND * weight_N[:, None].to(y_ND.dtype)
 
 
 class ZayaMoE(nn.Module):
@@ -92,11 +100,9 @@ class ZayaMoE(nn.Module):
         x = x_BTD.reshape(B * T, D)
         routing = self.router(x, prev_router_state)
         skipped = routing.route == self.num_experts
-        # Skipped tokens ride along with the last expert at weight 0: it keeps the dispatch free of host syncs,
-        # and the skip route is (by its bias of -1) practically never taken.
-        expert = routing.route.clamp(max=self.num_experts - 1)
         weight = routing.gate.masked_fill(skipped, 0.0)
-        out = self.experts.gathered(x, expert, weight) if gathered else self.experts(x, expert, weight)
+        experts = self.experts.gathered if gathered else self.experts
+        out = experts(x, routing.route, weight)
         if self.skip_identity:
             out = out + ((routing.gate * skipped)[:, None] * x).to(out.dtype)
         return out.view(B, T, D), routing

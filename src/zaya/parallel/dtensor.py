@@ -125,23 +125,28 @@ def slots_group(slots: tuple[int, ...]) -> object:
 
 
 def total_norm(
-    tensors: Sequence[Tensor], all_reduce: Callable[[Tensor, object], None] | None = None
+    tensors: Sequence[Tensor], all_reduce: Callable[[Tensor, object], None] | None = None,
+    spans: Callable[[Tensor], object] | None = None,
 ) -> Tensor:
     """The 2-norm of all `tensors` together, as one fp32 tensor, equal on every rank.
 
     Whole tensors count once; each group of tensors split over a process group contributes the sum of its
     shards' squares, summed over the group by `all_reduce(tensor, group)` (default `dist.all_reduce`): one
-    collective per process group, whatever the number of tensors."""
-    by_group: dict[object, list[Tensor]] = {}
+    collective per process group, whatever the number of tensors. `spans(tensor)`, where given and not None, is
+    one more group the tensor's square is summed over: the ranks that hold the other parts of a tensor each rank
+    holds a part of (an expert stack under expert parallelism)."""
+    by_group: dict[tuple, list[Tensor]] = {}
     for tensor in tensors:
-        by_group.setdefault(shard_layout(tensor).group, []).append(local(tensor))
+        key = (shard_layout(tensor).group, spans(tensor) if spans is not None else None)
+        by_group.setdefault(key, []).append(local(tensor))
     squares = []
-    for group, members in by_group.items():
+    for groups, members in by_group.items():
         members = [t for t in members if t.numel()]
         square = (torch.nn.utils.get_total_norm(members, foreach=True).float() ** 2 if members
                   else torch.zeros((), device=tensors[0].device if tensors else "cpu"))
-        if group is not None:
-            (all_reduce or _all_reduce)(square, group)
+        for group in groups:
+            if group is not None:
+                (all_reduce or _all_reduce)(square, group)
         squares.append(square)
     if not squares:
         return torch.zeros(())
@@ -149,11 +154,14 @@ def total_norm(
 
 
 def clip_grad_norm_(params: Sequence[Tensor], max_norm: float,
-                    all_reduce: Callable[[Tensor, object], None] | None = None) -> Tensor:
+                    all_reduce: Callable[[Tensor, object], None] | None = None,
+                    spans: Callable[[Tensor], object] | None = None) -> Tensor:
     """Scale the gradients of `params` so that their global norm is at most `max_norm` (0: only measure);
-    returns the norm before clipping. `torch.nn.utils.clip_grad_norm_`'s rule, on local shards."""
+    returns the norm before clipping. `torch.nn.utils.clip_grad_norm_`'s rule, on local shards. `spans(param)`:
+    see `total_norm`."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = total_norm(grads, all_reduce)
+    spans_of = {id(p.grad): spans(p) for p in params if p.grad is not None} if spans is not None else None
+    norm = total_norm(grads, all_reduce, None if spans_of is None else lambda g: spans_of[id(g)])
     if max_norm > 0 and grads:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         locals_ = [g for g in map(local, grads) if g.numel()]

@@ -61,6 +61,8 @@ from zaya.model.transformer import Zaya
 from zaya.parallel.comm import CommCounter, all_reduce, count_fsdp
 from zaya.parallel.config import ACTIVATION_CHECKPOINTING, SHARDINGS, ParallelizeConfig
 from zaya.parallel.dtensor import slots_group
+from zaya.parallel.experts import ParallelExperts, shard_experts
+from zaya.parallel.mesh import ExpertMesh
 
 
 def shard_dim(shape: tuple[int, ...], ranks: int) -> int:
@@ -78,11 +80,14 @@ class Unit:
     module: nn.Module
     keep_fp32: bool
     reshard_after_forward: bool
+    experts: bool = False  # a block's `ParallelExperts`: sharded over the ranks holding the same experts
 
 
 def fsdp_units(model: Zaya) -> Iterator[Unit]:
     """The units of the module docstring, innermost first (the order `fully_shard` must see them in)."""
     for block in model.blocks:
+        if isinstance(block.moe.experts, ParallelExperts):
+            yield Unit(block.moe.experts, keep_fp32=False, reshard_after_forward=True, experts=True)
         yield Unit(block, keep_fp32=False, reshard_after_forward=True)
     # FSDP2 keeps the root's parameters gathered from forward to backward: they are needed first in backward
     yield Unit(model, keep_fp32=model.config.fp32_logits, reshard_after_forward=False)
@@ -105,10 +110,18 @@ def unit_parameters(model: Zaya) -> list[tuple[Unit, list[nn.Parameter]]]:
     return result
 
 
-def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counter: CommCounter | None = None) -> Zaya:
+def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counter: CommCounter | None = None,
+                experts: ExpertMesh | None = None) -> Zaya:
     """Apply `config`'s activation checkpointing, compilation and mixed precision and FSDP2 to `model`, in place;
     returns it. `mesh` is `ParallelContext.fsdp_mesh`: one dimension (the shards), or two (replicas, shards:
-    HSDP). `counter` counts the bytes FSDP sends."""
+    HSDP). `counter` counts the bytes FSDP sends. With `experts` (expert parallelism) the blocks' experts are
+    split over its groups first (`zaya.parallel.experts.shard_experts`) and each is a unit of its own, sharded
+    over `experts.fsdp_mesh`."""
+    if experts is not None:
+        if config.compile:
+            raise ZayaError("train.compile does not yet take parallel.ep > 1: the token exchange reads its split "
+                            "sizes on the host, which a whole-block graph cannot; set train.compile = false")
+        shard_experts(model, experts, counter)
     if config.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ZayaError(f"activation checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got "
                         f"{config.activation_checkpointing!r}")
@@ -123,28 +136,29 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
             # one graph per block, and the same code for every block past the first (its router has no EDA
             # state): the block's parameters are graph inputs, and nothing in it reads its index
             block.compile(fullgraph=True)
-    dp_mesh = mesh
-    replicas = mesh.size(0) if mesh.ndim == 2 else 1
-    ranks = mesh.size(mesh.ndim - 1)
     bf16 = config.bf16
-
-    def placement(param: nn.Parameter) -> Shard:
-        return Shard(shard_dim(tuple(param.shape), ranks))
-
     replicated = set(replicated_parameters(model))
     for unit in fsdp_units(model):
+        unit_mesh = experts.fsdp_mesh if unit.experts else mesh
+        replicas = unit_mesh.size(0) if unit_mesh.ndim == 2 else 1
+        ranks = unit_mesh.size(unit_mesh.ndim - 1)
         low = torch.bfloat16 if bf16 and not unit.keep_fp32 else None
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if bf16 else None,
                                       cast_forward_inputs=False)
         # on one rank a shard is the whole tensor: freeing the gathered copy after forward saves nothing and
         # costs a second gathering copy in backward
         reshard = gathers_per_micro_batch(unit, config.sharding, ranks) == 2
-        fully_shard(unit.module, mesh=dp_mesh, reshard_after_forward=reshard, shard_placement_fn=placement,
-                    mp_policy=policy, ignored_params=replicated)
+        fully_shard(unit.module, mesh=unit_mesh, reshard_after_forward=reshard,
+                    shard_placement_fn=functools.partial(_placement, ranks=ranks), mp_policy=policy,
+                    ignored_params=replicated)
         if counter is not None:
             count_fsdp(unit.module, counter, replicas)
     register_fsdp_forward_method(model, "loss")
     return model
+
+
+def _placement(param: nn.Parameter, ranks: int) -> Shard:
+    return Shard(shard_dim(tuple(param.shape), ranks))
 
 
 def reduce_replicated_gradients(model: Zaya, mesh: DeviceMesh, counter: CommCounter | None = None) -> None:

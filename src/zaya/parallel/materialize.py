@@ -11,6 +11,8 @@ embedding, against 35 GB for the whole fp32 model).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -19,16 +21,23 @@ from zaya.parallel.dtensor import is_dtensor, local, shard_layout
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
+def materialize(model: nn.Module, device: torch.device, seed: int,
+                parts: Mapping[int, tuple[tuple[int, ...], int]] | None = None) -> nn.Module:
     """Allocate `model`'s tensors (on the meta device, sharded or not) on `device` and set them as a model built
-    there in one process after `torch.manual_seed(seed)` has them. Returns the model."""
+    there in one process after `torch.manual_seed(seed)` has them. `parts` names (by id) the tensors that are
+    slices along their first dimension of larger ones (a rank's experts under expert parallelism): the whole
+    shape and the first row, so that they get their rows of the whole tensor's draw. Returns the model."""
+    parts = parts or {}
     model.to_empty(device=device)
     torch.manual_seed(seed)
     done: set[int] = set()
     for tensor, fill in model.initializers():
-        if is_dtensor(tensor):
-            whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        if is_dtensor(tensor) or id(tensor) in parts:
+            shape, first = parts.get(id(tensor), (tuple(tensor.shape), None))
+            whole = torch.empty(shape, dtype=tensor.dtype, device=device)
             fill(whole)
+            if first is not None:
+                whole = whole.narrow(0, first, tensor.shape[0])
             layout = shard_layout(tensor)
             if not layout.whole:
                 start, stop = layout.bounds(whole.shape[layout.dim])

@@ -13,6 +13,11 @@ dimension `dp_shard_cp` of S C ranks, as in torchtitan): context-parallel ranks 
 the same sequences, so their gradients are summed like those of different data, and the parameters and
 optimizer state are spread over all of them.
 
+Expert parallelism (`parallel.ep`) splits the dp_shard_cp ranks into groups of ep consecutive ranks: flat
+index f (of S C) is ep rank f % ep of expert group f // ep. A group's ranks hold different experts and trade
+tokens (`ExpertMesh.group`); the ranks holding the same experts, every ep-th, shard them with FSDP2 among
+themselves (`ExpertMesh.fsdp_mesh`, with the replicas under HSDP).
+
 Every group, the default one, each mesh dimension's and a separate gloo control group (checkpoint barriers
 and async saves, never queued behind training collectives), is made with the configured timeout, long
 enough that a network blip does not kill a long job (the supervisor's heartbeats catch real hangs much
@@ -36,6 +41,23 @@ from zaya.parallel.config import MESH_DIMS, ParallelConfig
 from zaya.parallel.launch import Launch
 
 
+@dataclass(frozen=True)
+class ExpertMesh:
+    """Where a run with `parallel.ep > 1` keeps its experts. `group`: the `size` ranks that trade tokens, this
+    one being `rank` among them (it holds experts [rank E/size, (rank + 1) E/size)). `fsdp_mesh`: what FSDP2
+    shards those experts over, (dp_replicate, expert shards) or (expert shards,). `state_mesh`: the same ranks
+    as (dp_replicate, ep, expert shards) or (ep, expert shards), on which a checkpoint sees each expert stack
+    whole ([E, ...], `zaya.parallel.experts.global_state`). `ranks`: dp_replicate x dp_shard x cp, what the
+    experts' gradients are averaged over (as every other gradient)."""
+
+    group: object
+    size: int
+    rank: int
+    fsdp_mesh: DeviceMesh
+    state_mesh: DeviceMesh
+    ranks: int
+
+
 @dataclass
 class ParallelContext:
     """Everything a run knows about its place in the job; `close()` ends the process groups it made."""
@@ -49,6 +71,7 @@ class ParallelContext:
     init_timeout_s: float
     counter: CommCounter = field(default_factory=CommCounter)
     owns_process_group: bool = True
+    experts: ExpertMesh | None = None  # with parallel.ep > 1
 
     @property
     def rank(self) -> int:
@@ -82,6 +105,8 @@ class ParallelContext:
 
     def describe(self) -> str:
         sizes = " x ".join(f"{name} {self.mesh[name].size()}" for name in MESH_DIMS)
+        if self.experts is not None:
+            sizes += f" (experts over ep {self.experts.size})"
         return (f"mesh {sizes} = {self.world_size} rank(s) on {self.backend}; timeouts: collectives "
                 f"{self.timeout_s:g} s, start-up {self.init_timeout_s:g} s")
 
@@ -128,9 +153,36 @@ def init_parallel(
     else:
         fsdp_mesh = DeviceMesh.from_group(shard_cp, device.type, mesh=layout.view(-1),
                                           mesh_dim_names=("dp_shard_cp",))
+    experts = None
+    if config.ep > 1:
+        experts = _expert_mesh(layout, config.ep, groups[0], launch.rank, backend, timeout, device.type)
     control = dist.new_group(backend="gloo", timeout=timeout)
     return ParallelContext(launch, mesh, fsdp_mesh, backend, control, config.timeout_s, config.init_timeout_s,
-                           owns_process_group=owns)
+                           owns_process_group=owns, experts=experts)
+
+
+def _expert_mesh(layout: torch.Tensor, ep: int, replicate_group, rank: int, backend: str,
+                 timeout: datetime.timedelta, device_type: str) -> ExpertMesh:
+    """The `ExpertMesh` of `rank` in the (dp_replicate, dp_shard, cp) `layout`; see the module docstring."""
+    replicate = layout.shape[0]
+    experts = layout.reshape(replicate, -1, ep)  # (replicas, expert shards, ep)
+    shape = tuple(experts.shape)
+    ep_group = _dimension_group(shape, 2, rank, backend, timeout)
+    shard_group = _dimension_group(shape, 1, rank, backend, timeout)
+    where = (experts == rank).nonzero()[0].tolist()
+    mine = experts[:, :, where[2]]  # the ranks holding this rank's experts: (replicas, expert shards)
+    if replicate > 1:
+        fsdp_mesh = DeviceMesh.from_group([replicate_group, shard_group], device_type, mesh=mine,
+                                          mesh_dim_names=("dp_replicate", "expert_shard"))
+        state_mesh = DeviceMesh.from_group([replicate_group, ep_group, shard_group], device_type,
+                                           mesh=experts.transpose(1, 2), mesh_dim_names=("dp_replicate", "ep",
+                                                                                      "expert_shard"))
+    else:
+        fsdp_mesh = DeviceMesh.from_group(shard_group, device_type, mesh=mine.view(-1),
+                                          mesh_dim_names=("expert_shard",))
+        state_mesh = DeviceMesh.from_group([ep_group, shard_group], device_type, mesh=experts[0].t(),
+                                           mesh_dim_names=("ep", "expert_shard"))
+    return ExpertMesh(ep_group, ep, where[2], fsdp_mesh, state_mesh, layout.numel())
 
 
 def _dimension_group(shape: tuple[int, ...], dim: int, rank: int, backend: str, timeout: datetime.timedelta):

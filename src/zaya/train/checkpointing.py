@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from zaya import checkpoint as ckpt
 from zaya.errors import ZayaError
+from zaya.parallel.experts import ExpertViews
 from zaya.train.balance import ControllerState
 
 
@@ -57,20 +58,23 @@ def read_state(state: dict, kind: type) -> Any:
     return kind(**{key: value for key, value in state.items() if key in names})
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, controller_state: ControllerState
-            ) -> tuple[dict[str, dict[str, torch.Tensor]], Any]:
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, controller_state: ControllerState,
+            views: ExpertViews | None = None) -> tuple[dict[str, dict[str, torch.Tensor]], Any]:
     """The checkpoint's tensors ({"model", "optim", "controller"}) and the optimizer's JSON skeleton. The
     tensors are the live ones (or views of them): write them before the next step changes them, or stage
-    them (async save)."""
+    them (async save). Under expert parallelism (`views`) each expert stack is saved whole, keyed by expert."""
     model_state, optim_state = get_state_dict(model, optimizer)
     skeleton, optim_tensors = split_tensors(optim_state)
+    if views is not None:
+        model_state, optim_tensors = views.whole(model_state), views.whole(optim_tensors)
     return {"model": model_state, "optim": optim_tensors, "controller": controller_state.state_dict()}, skeleton
 
 
 def restore(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            controller_state: ControllerState, skeleton: Any, process_group=None) -> None:
+            controller_state: ControllerState, skeleton: Any, process_group=None,
+            views: ExpertViews | None = None) -> None:
     """Load checkpoint `directory` into `model`, `optimizer` and the controller, whatever the world size
-    that wrote it; `skeleton` is the optimizer skeleton saved with it."""
+    (and expert parallelism: `views`) that wrote it; `skeleton` is the optimizer skeleton saved with it."""
     # a fresh optimizer has no state yet: it needs tensors of the right layout to load into (torch's
     # state-dict API would otherwise make them with a step of zero gradients and learning rate)
     if hasattr(optimizer, "init_state"):
@@ -82,12 +86,15 @@ def restore(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     if missing:
         raise ZayaError(f"{directory}: the checkpoint has optimizer state '{missing[0]}', which this model "
                         f"and optimizer do not ({len(missing)} such tensors)")
-    tensors = {"model": model_state, "optim": {key: optim_tensors[key] for key in sorted(wanted)},
-               "controller": controller_state.state_dict()}
+    optim_tensors = {key: optim_tensors[key] for key in sorted(wanted)}
+    controller = controller_state.state_dict()
+    tensors = {"model": model_state, "optim": optim_tensors, "controller": controller}
+    if views is not None:  # whole views of this rank's experts: loading into them fills the originals
+        tensors = {"model": views.whole(model_state), "optim": views.whole(optim_tensors), "controller": controller}
     ckpt.load_tensors(directory, tensors, process_group=process_group)
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"],
-                   optim_state_dict=join_tensors(skeleton, tensors["optim"]))
-    controller_state.load_state_dict(tensors["controller"])
+    set_state_dict(model, optimizer, model_state_dict=model_state,
+                   optim_state_dict=join_tensors(skeleton, optim_tensors))
+    controller_state.load_state_dict(controller)
 
 
 def _tensor_keys(skeleton: Any) -> set[str]:

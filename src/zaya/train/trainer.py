@@ -56,6 +56,7 @@ from zaya.optim.hybrid import build_optimizer, describe_param_groups
 from zaya.optim.schedule import set_lr_multiplier
 from zaya.parallel.comm import all_reduce
 from zaya.parallel.dtensor import clip_grad_norm_
+from zaya.parallel.experts import ExpertViews, expert_span, finish_gradients, whole_shapes
 from zaya.parallel.fsdp import accumulate, parallelize, reduce_replicated_gradients, refresh, release
 from zaya.parallel.materialize import materialize
 from zaya.parallel.mesh import ParallelContext, init_parallel
@@ -127,8 +128,10 @@ class Trainer:
             warm.start()  # the page cache fills while the model is being built
         with torch.device("meta"):
             model = Zaya(self.config.model)  # no rank ever holds the whole model: its shards are made in place
-        model = parallelize(model, self.parallel.fsdp_mesh, self.config.parallelize, self.parallel.counter)
-        self.model = materialize(model, self.device, self.config.train.seed)
+        experts = self.parallel.experts
+        model = parallelize(model, self.parallel.fsdp_mesh, self.config.parallelize, self.parallel.counter, experts)
+        self.model = materialize(model, self.device, self.config.train.seed, whole_shapes(model))
+        self.views = None if experts is None else ExpertViews.of(self.model, experts)
         if self.resume_from is None and self.setup.init_from is not None:
             self._initialise_from(self.setup.init_from)
         self._fresh_optimizer()
@@ -154,7 +157,7 @@ class Trainer:
         """A fresh run's weights from `train.init_from`, on every rank into its shards."""
         started = self.setup.timer()
         release(self.model)
-        source.load_into(self.model, self.parallel.control_group)
+        source.load_into(self.model, self.parallel.control_group, self.views)
         release(self.model)  # whole parameters a mode keeps gathered are the random ones until gathered again
         self._init_seconds = self.setup.timer() - started
 
@@ -187,7 +190,7 @@ class Trainer:
         self.hooks("checkpoint_save", step)
         self.curriculum.keep_loader_state(self.progress)
         release(self.model)  # the shards are what is saved, and what the optimizer's state is keyed by
-        tensors, skeleton = capture(self.model, self.optimizer, self.controller.state)
+        tensors, skeleton = capture(self.model, self.optimizer, self.controller.state, self.views)
         state = train_state(self.progress, self.stops.clock, skeleton, self.config.record)
         info = {"format": ckpt.FORMAT, "version": ckpt.VERSION, "model": self.config.model.to_dict(),
                 "dtype": "float32", "precision": self.config.precision, "step": step, "mesh": self.parallel.describe()}
@@ -206,7 +209,7 @@ class Trainer:
         self._resumed_record = saved.get("config") or {}
         self.progress, self.stops.clock = read_state(saved["state"], Progress), read_state(saved["state"], Clock)
         restore(directory, self.model, self.optimizer, self.controller.state, saved["optimizer"],
-                process_group=self.parallel.control_group)
+                process_group=self.parallel.control_group, views=self.views)
         release(self.model)  # whole parameters a mode keeps gathered are the old ones now
         rng = directory / f"rng.rank{self.launch.rank}.json"
         if rng.is_file():
@@ -297,10 +300,14 @@ class Trainer:
             (loss * (grad_factor * micro.shape[0] / rows)).backward()
             loss_sum += loss.detach().double() * micro.shape[0]
         reduce_replicated_gradients(self.model, self.parallel.fsdp_mesh, self.parallel.counter)
+        experts = self.parallel.experts
+        if experts is not None:
+            finish_gradients(self.model, experts)
         # the optimizer's: under ZeRO-1 the model's registered parameters are the whole gathered ones between
         # steps, and the reduced gradients are on the shards
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grad_norm = clip_grad_norm_(params, train.grad_clip, self._all_reduce)
+        spans = None if experts is None else functools.partial(expert_span, experts=experts)
+        grad_norm = clip_grad_norm_(params, train.grad_clip, self._all_reduce, spans)
         lr_scale = self.stops.schedule().multiplier(step) * phase.lr_scale
         set_lr_multiplier(self.optimizer, lr_scale)
         reduced = self._reduce(routes, loss_sum, grad_norm, host_time)  # the step's one read of the device

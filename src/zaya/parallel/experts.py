@@ -1,0 +1,196 @@
+"""Expert parallelism: each rank keeps E/ep of a block's experts and the routed tokens travel to them.
+
+`shard_experts` replaces every block's `Experts` (on the meta device, before `parallelize`) by
+`ParallelExperts`, which holds rank k's experts [k L, (k + 1) L), L = E / ep, under the same parameter names.
+Its forward, for the N tokens of this rank (routes in 0..E, E the skip route):
+
+    counts[e]        tokens of this rank routed to expert e (the skip route's are not sent)
+    received[p, l]   tokens rank p sends to local expert l: one all-to-all of the counts
+    dispatch         the tokens, sorted by expert, to their experts' ranks: one all_to_all_single, uneven
+    experts          the received rows through the local experts (`Experts.forward`: grouped matmuls)
+    combine          each output back to its token's rank: the reverse all_to_all_single
+    m                g * output, in token order; 0 for skipped tokens
+
+The split sizes are read to the host once per layer (the counts and the received counts in one read); that is
+the layer's one host sync. The backward runs the same two exchanges in reverse (`_Exchange`). Only the routed
+tokens travel, in the autocast dtype (bf16 under bf16): per MoE layer and direction a rank sends
+rows x D x bytes, less what stays on it.
+
+The experts' gradients on a rank sum over the tokens of its whole expert group (they were routed there); FSDP2
+averages them over the ranks that hold the same experts, and `finish_gradients` divides by ep, so that they are
+averages over every data-parallel rank as every other gradient is. A checkpoint sees each stack whole,
+[E, ...], on `ExpertMesh.state_mesh` (`global_state`), so it reshards to any ep and to one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from zaya.device import autocast_dtype
+from zaya.errors import ZayaError
+from zaya.model.moe import Experts, expert_counts
+from zaya.model.transformer import Zaya
+from zaya.parallel.comm import CommCounter, all_to_all_single
+from zaya.parallel.config import experts_split_problem
+from zaya.parallel.dtensor import is_dtensor, local
+from zaya.parallel.mesh import ExpertMesh
+
+KIND = "experts"  # the bytes the exchanges send, as the counter names them
+
+
+class ParallelExperts(Experts):
+    """Rank `mesh.rank`'s share of a block's `total` experts, and the token exchange (module docstring)."""
+
+    def __init__(self, whole: Experts, mesh: ExpertMesh, counter: CommCounter | None = None):
+        nn.Module.__init__(self)
+        self.total = whole.num_experts
+        self.num_experts = self.total // mesh.size
+        self.first = mesh.rank * self.num_experts
+        self.mesh, self.counter = mesh, counter
+        self.use_grouped_mm = whole.use_grouped_mm
+        for name in ("gate_up_proj", "down_proj"):
+            shape = getattr(whole, name).shape
+            setattr(self, name, nn.Parameter(torch.empty(self.num_experts, *shape[1:],
+                                                         device=getattr(whole, name).device)))
+
+    def forward(self, x_ND: torch.Tensor, route_N: torch.Tensor, weight_N: torch.Tensor | None) -> torch.Tensor:
+        ranks, experts, (N, D) = self.mesh.size, self.num_experts, x_ND.shape
+        x_ND = x_ND.to(autocast_dtype(x_ND.device) or x_ND.dtype)  # half the bytes travel under bf16
+        order_N = torch.argsort(route_N, stable=True)  # by expert; the skip route (E) last
+        counts = expert_counts(route_N, self.total + 1)[:self.total]
+        received = torch.empty_like(counts)
+        all_to_all_single(received, counts, [experts] * ranks, [experts] * ranks, self.mesh.group, self.counter,
+                          KIND)
+        sizes = torch.cat([counts.view(ranks, experts).sum(1), received]).tolist()  # the layer's one host read
+        send, from_each = sizes[:ranks], sizes[ranks:]
+        receive = [sum(from_each[p * experts:(p + 1) * experts]) for p in range(ranks)]
+        sent = order_N[:sum(send)]
+        x_recv = _Exchange.apply(x_ND.index_select(0, sent), receive, send, self)
+        # the received rows come by sender, then by expert: each row's local expert
+        local = torch.arange(experts, device=x_ND.device).repeat(ranks)
+        expert_R = torch.repeat_interleave(local, received, output_size=x_recv.shape[0])
+        y_recv = super().forward(x_recv, expert_R, None)
+        y_sent = _Exchange.apply(y_recv, send, receive, self)
+        y_ND = y_sent.new_zeros(N, D).index_copy(0, sent, y_sent)
+        return y_ND if weight_N is None else y_ND * weight_N[:, None].to(y_ND.dtype)
+
+    def exchange(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+        """`rows` [sum(input_splits), D] to the group's ranks, `input_splits[p]` rows to rank p; returns the
+        rows received, `output_splits[p]` from rank p."""
+        width = rows.shape[1]
+        out = rows.new_empty(sum(output_splits), width)
+        all_to_all_single(out.view(-1), rows.contiguous().view(-1), [n * width for n in output_splits],
+                          [n * width for n in input_splits], self.mesh.group, self.counter, KIND)
+        return out
+
+
+class _Exchange(torch.autograd.Function):
+    """`ParallelExperts.exchange` with its backward: the gradients travel back by the reverse splits."""
+
+    @staticmethod
+    def forward(ctx, rows, output_splits, input_splits, experts):
+        ctx.splits, ctx.experts = (output_splits, input_splits), experts
+        return experts.exchange(rows, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return ctx.experts.exchange(grad, input_splits, output_splits), None, None, None
+
+
+def shard_experts(model: Zaya, mesh: ExpertMesh, counter: CommCounter | None = None) -> Zaya:
+    """Give every block `ParallelExperts` in place of its experts (a model on the meta device, before
+    `parallelize`); returns the model."""
+    problem = experts_split_problem(model.config.num_experts, mesh.size)
+    if problem:
+        raise ZayaError(problem)
+    for block in model.blocks:
+        block.moe.experts = ParallelExperts(block.moe.experts, mesh, counter)
+    return model
+
+
+@torch.no_grad()
+def finish_gradients(model: nn.Module, mesh: ExpertMesh) -> None:
+    """After the step's last backward: FSDP2 averaged the experts' gradients over the ranks holding the same
+    experts, but they are sums over the tokens of a whole expert group, as many as `mesh.size` ranks read;
+    divided by that, they are averages over every data-parallel rank like the other gradients."""
+    grads = [local(p.grad) for experts in parallel_experts(model) for p in experts.parameters()
+             if p.grad is not None]
+    grads = [g for g in grads if g.numel()]
+    if grads:
+        torch._foreach_div_(grads, float(mesh.size))
+
+
+def expert_span(param: torch.Tensor, experts: ExpertMesh) -> object:
+    """For `zaya.parallel.dtensor.total_norm`: the group whose ranks hold the other experts of `param`'s stack
+    (None for a parameter that is no expert stack)."""
+    return experts.group if is_dtensor(param) and param.device_mesh == experts.fsdp_mesh else None
+
+
+def parallel_experts(model: nn.Module) -> Iterator[ParallelExperts]:
+    return (module for module in model.modules() if isinstance(module, ParallelExperts))
+
+
+def whole_shapes(model: nn.Module) -> dict[int, tuple[tuple[int, ...], int]]:
+    """For `zaya.parallel.materialize`: each expert stack of this rank (by id) with the shape of the whole stack
+    and the first expert it holds, so that it gets its experts' values of the whole stack's draw."""
+    parts = {}
+    for experts in parallel_experts(model):
+        for param in (experts.gate_up_proj, experts.down_proj):
+            parts[id(param)] = ((experts.total, *param.shape[1:]), experts.first)
+    return parts
+
+
+def global_state(state: dict, mesh: ExpertMesh) -> dict:
+    """`state` (nested dicts of tensors: a model's or an optimizer's state dict) with every tensor on the experts'
+    FSDP mesh shown whole, as a DTensor [E, ...] on `mesh.state_mesh` over the same local shard (no copy: loading
+    into it loads into the original)."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out[key] = global_state(value, mesh)
+        elif is_dtensor(value) and value.device_mesh == mesh.fsdp_mesh:
+            out[key] = _whole(value, mesh)
+        else:
+            out[key] = value
+    return out
+
+
+def _whole(tensor: DTensor, mesh: ExpertMesh) -> DTensor:
+    split = next(p for p in tensor.placements if isinstance(p, Shard))
+    placements = [Shard(0), split]
+    if mesh.state_mesh.ndim == 3:
+        placements.insert(0, Replicate())
+    shape = (tensor.shape[0] * mesh.size, *tensor.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(tensor.to_local(), mesh.state_mesh, placements, run_check=False, shape=shape,
+                              stride=stride)
+
+
+@dataclass(frozen=True)
+class ExpertViews:
+    """How a model with `ParallelExperts` meets state dicts of the whole model (checkpoints, HF weights):
+    `whole` shows its expert stacks (and their optimizer state) as [E, ...] DTensors to load into or save;
+    `rows` cuts a whole model's expert stacks to this rank's experts."""
+
+    mesh: ExpertMesh
+    slices: dict[str, tuple[int, int]]  # parameter name: (first expert, experts) of this rank
+
+    @classmethod
+    def of(cls, model: nn.Module, mesh: ExpertMesh) -> ExpertViews:
+        slices = {f"{name}.{param}": (module.first, module.num_experts)
+                  for name, module in model.named_modules() if isinstance(module, ParallelExperts)
+                  for param in ("gate_up_proj", "down_proj")}
+        return cls(mesh, slices)
+
+    def whole(self, state: dict) -> dict:
+        return global_state(state, self.mesh)
+
+    def rows(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {key: value.narrow(0, *self.slices[key]) if key in self.slices else value
+                for key, value in full.items()}

@@ -1,0 +1,102 @@
+"""Expert parallelism's token exchange (`zaya.parallel.experts.ParallelExperts`) on gloo ranks against every
+expert in one process: outputs, input gradients and each rank's expert gradients; the bytes sent against the
+routes (skipped tokens never travel; a rank may send nothing or receive nothing); one host read per layer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zaya
+from host_syncs import HostSyncs
+from ranks import run_distributed
+from zaya.model.moe import Experts
+from zaya.parallel.comm import CommCounter
+from zaya.parallel.config import ParallelConfig
+from zaya.parallel.experts import KIND, ParallelExperts
+from zaya.parallel.launch import Launch
+from zaya.parallel.mesh import init_parallel
+
+E, D, TOKENS = 4, 128, 37  # the micro preset's experts and width; a token count no split divides
+
+
+def _routes(case: str, rank: int, generator: torch.Generator) -> torch.Tensor:
+    if case == "spread":  # every expert and the skip route (E)
+        return torch.randint(0, E + 1, (TOKENS,), generator=generator)
+    if case == "one-rank":  # every token of every rank to rank 0's experts: rank 1 receives nothing
+        return torch.randint(0, E // 2, (TOKENS,), generator=generator)
+    # "stay-home": each rank routes to its own experts only, and rank 1 skips every token: nothing travels
+    if rank == 1:
+        return torch.full((TOKENS,), E)
+    return torch.randint(0, E // 2, (TOKENS,), generator=generator)
+
+
+def _exchange_worker(rank: int, world: int, case: str, monkeypatch_tolist: bool) -> dict:
+    context = init_parallel(ParallelConfig(ep=world), torch.device("cpu"), Launch.from_env(os.environ))
+    torch.manual_seed(0)  # the same whole experts on every rank
+    whole = Experts(zaya.get_preset("micro"))
+    torch.nn.init.normal_(whole.gate_up_proj, std=0.05)
+    torch.nn.init.normal_(whole.down_proj, std=0.05)
+    counter = CommCounter()
+    ours = ParallelExperts(whole, context.experts, counter)
+    with torch.no_grad():
+        ours.gate_up_proj.copy_(whole.gate_up_proj[ours.first:ours.first + ours.num_experts])
+        ours.down_proj.copy_(whole.down_proj[ours.first:ours.first + ours.num_experts])
+    generator = torch.Generator().manual_seed(100 + rank)
+    route = _routes(case, rank, generator)
+    x = torch.randn(TOKENS, D, generator=generator)
+    weight = torch.rand(TOKENS, generator=generator).masked_fill(route == E, 0.0)
+    probe = torch.randn(TOKENS, D, generator=generator)
+
+    reads = []
+    tolist = torch.Tensor.tolist
+    if monkeypatch_tolist:
+        torch.Tensor.tolist = lambda self: reads.append(self.numel()) or tolist(self)
+    x_ours, w_ours = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    with HostSyncs() as syncs:
+        y = ours(x_ours, route, w_ours)
+        (y * probe).sum().backward()
+    torch.Tensor.tolist = tolist
+    x_ref, w_ref = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    y_ref = whole(x_ref, route, w_ref)
+    (y_ref * probe).sum().backward()
+    # each rank's experts took gradients from the tokens of every rank routed to them
+    for param in (whole.gate_up_proj, whole.down_proj):
+        torch.distributed.all_reduce(param.grad)
+    rows = slice(ours.first, ours.first + ours.num_experts)
+    counts = torch.bincount(route, minlength=E + 1)[:E].view(world, -1).sum(1)  # rows to each rank
+    received = torch.empty_like(counts)
+    torch.distributed.all_to_all_single(received, counts)
+    context.close()
+    routed = route < E  # a skipped token's weight is the masked gate: no gradient goes through it in the model
+    return {
+        "y": (y.detach(), y_ref.detach()), "x_grad": (x_ours.grad, x_ref.grad),
+        "w_grad": (w_ours.grad[routed], w_ref.grad[routed]),
+        "gate_up_grad": (ours.gate_up_proj.grad, whole.gate_up_proj.grad[rows]),
+        "down_grad": (ours.down_proj.grad, whole.down_proj.grad[rows]),
+        "sent": counter.take().get(KIND, 0), "rows_out": int(counts.sum() - counts[rank]),
+        "rows_in": int(received.sum() - received[rank]), "syncs": syncs.ops, "reads": reads,
+    }
+
+
+@pytest.mark.parametrize("case", ["spread", "one-rank", "stay-home"])
+def test_the_token_exchange_equals_every_expert_in_one_process(case):
+    world = 2
+    results = run_distributed(_exchange_worker, world, case, True, timeout=120)
+    for rank, result in enumerate(results):
+        for key in ("y", "x_grad", "w_grad", "gate_up_grad", "down_grad"):
+            ours, theirs = result[key]
+            assert ours is not None, (rank, key)  # a rank that receives nothing still has (zero) gradients
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
+        # per direction, forward and backward: the rows routed to the other rank out, those it routed here
+        # back; D fp32 values a row; plus the counts (E/ep int64 to each other rank)
+        rows = result["rows_out"] + result["rows_in"]
+        assert result["sent"] == 2 * rows * D * 4 + (world - 1) * (E // world) * 8, rank
+        assert result["syncs"] == []  # nothing else waits on the device
+        assert result["reads"] == [world + E]  # the one host read: the sizes to send and to receive
+    if case == "one-rank":
+        assert results[1]["gate_up_grad"][0].abs().sum() == 0  # it received no token
+    if case == "stay-home":
+        assert all(r["sent"] == (world - 1) * (E // world) * 8 for r in results)  # no token travelled
