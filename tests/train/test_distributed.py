@@ -114,7 +114,7 @@ def _reference(root: Path, dataset: Path, steps: int, **sections) -> Path:
 @pytest.fixture(scope="module")
 def single(dataset, tmp_path_factory) -> Path:
     """The reference: the same run in one process."""
-    return _reference(tmp_path_factory.mktemp("single"), dataset, 10)
+    return _reference(tmp_path_factory.mktemp("single"), dataset, 12)
 
 
 def _shards_by_rank(directory: Path) -> dict[int, int]:
@@ -296,14 +296,16 @@ def test_ranks_with_different_settings_stop_before_the_first_step_naming_the_key
 @pytest.mark.slow
 def test_expert_parallelism_trains_like_one_process_and_its_checkpoints_reshard(dataset, tmp_path, single):
     """Experts split over ep ranks, the tokens exchanged, on every layout in a chain of checkpoints: ep 2 on 2
-    ranks -> ep 4 on 4 -> ep 2 of dp_shard 4 (each expert stack sharded over 2 ranks), ZeRO-2 -> cp 2 x ep 2 ->
-    no expert parallelism on 2 ranks; then one process reads the last checkpoint."""
+    ranks -> one process -> ep 2 of dp_shard 4 (each expert stack sharded over 2 ranks), ZeRO-2 -> ep 4 ->
+    ep 2 under HSDP, ZeRO-1 -> cp 2 x ep 2. One process reads each checkpoint (`zaya.load_model`)."""
     config, run = _config(tmp_path, dataset), tmp_path / "run"
     chain = [(2, ["parallel.ep=2"], "dp_shard 2 x cp 1 (experts over ep 2)"),
-             (4, ["parallel.ep=4"], "dp_shard 4 x cp 1 (experts over ep 4)"),
+             (1, [], "dp_shard 1 x cp 1 ="),
              (4, ["parallel.ep=2", "parallel.sharding=zero2"], "dp_shard 4 x cp 1 (experts over ep 2)"),
-             (4, ["parallel.ep=2", "parallel.cp=2"], "dp_shard 2 x cp 2 (experts over ep 2)"),
-             (2, [], "dp_shard 2 x cp 1 =")]
+             (4, ["parallel.ep=4"], "dp_shard 4 x cp 1 (experts over ep 4)"),
+             (4, ["parallel.ep=2", "parallel.dp_replicate=2", "parallel.sharding=zero1"],
+              "dp_replicate 2 x dp_shard 2 x cp 1 (experts over ep 2)"),
+             (4, ["parallel.ep=2", "parallel.cp=2"], "dp_shard 2 x cp 2 (experts over ep 2)")]
     for index, (nproc, sets, shape) in enumerate(chain):
         steps = 2 * (index + 1)
         _train(config, run, nproc, *sets, f"train.max_steps={steps}")
@@ -314,4 +316,4 @@ def test_expert_parallelism_trains_like_one_process_and_its_checkpoints_reshard(
         for key in ("model.blocks.0.moe.experts.gate_up_proj",
                     "optim..state.blocks.0.moe.experts.down_proj.momentum_buffer"):
             assert metadata.state_dict_metadata[key].size[0] == 4, key  # whole, keyed by expert
-    _assert_same_training(run, single, range(1, 11))
+    _assert_same_training(run, single, range(1, 13))

@@ -24,7 +24,7 @@ averages over every data-parallel rank as every other gradient is. A checkpoint 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -115,12 +115,12 @@ def shard_experts(model: Zaya, mesh: ExpertMesh, counter: CommCounter | None = N
 
 
 @torch.no_grad()
-def finish_gradients(model: nn.Module, mesh: ExpertMesh) -> None:
-    """After the step's last backward: FSDP2 averaged the experts' gradients over the ranks holding the same
-    experts, but they are sums over the tokens of a whole expert group, as many as `mesh.size` ranks read;
+def finish_gradients(params: Iterable[torch.Tensor], mesh: ExpertMesh) -> None:
+    """After the step's last backward, for the optimizer's `params` (the shards: under ZeRO-1 the model's
+    registered parameters are the whole ones): FSDP2 averaged the experts' gradients over the ranks holding the
+    same experts, but they are sums over the tokens of a whole expert group, as many as `mesh.size` ranks read;
     divided by that, they are averages over every data-parallel rank like the other gradients."""
-    grads = [local(p.grad) for experts in parallel_experts(model) for p in experts.parameters()
-             if p.grad is not None]
+    grads = [local(p.grad) for p in params if p.grad is not None and expert_span(p, mesh) is not None]
     grads = [g for g in grads if g.numel()]
     if grads:
         torch._foreach_div_(grads, float(mesh.size))

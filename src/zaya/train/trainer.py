@@ -300,12 +300,12 @@ class Trainer:
             (loss * (grad_factor * micro.shape[0] / rows)).backward()
             loss_sum += loss.detach().double() * micro.shape[0]
         reduce_replicated_gradients(self.model, self.parallel.fsdp_mesh, self.parallel.counter)
-        experts = self.parallel.experts
-        if experts is not None:
-            finish_gradients(self.model, experts)
         # the optimizer's: under ZeRO-1 the model's registered parameters are the whole gathered ones between
         # steps, and the reduced gradients are on the shards
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        experts = self.parallel.experts
+        if experts is not None:
+            finish_gradients(params, experts)
         spans = None if experts is None else functools.partial(expert_span, experts=experts)
         grad_norm = clip_grad_norm_(params, train.grad_clip, self._all_reduce, spans)
         lr_scale = self.stops.schedule().multiplier(step) * phase.lr_scale
