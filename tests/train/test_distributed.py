@@ -262,7 +262,8 @@ def test_bad_input_stops_every_rank_with_one_line_under_torchrun(dataset, tmp_pa
     (["parallel.cp_kernel=tree"], "parallel.cp_kernel"),
     (["parallel.backend=mpi"], "parallel.backend"),
     (["parallel.backend=nccl"], "parallel.backend' is 'nccl', which needs GPUs"),
-], ids=["mesh", "cp", "backend", "nccl-on-cpu"])
+    (["parallel.ep=3"], "parallel.ep = 3 does not divide parallel.dp_shard x cp = 2 x 1"),
+], ids=["mesh", "cp", "backend", "nccl-on-cpu", "ep"])
 @pytest.mark.slow
 def test_bad_input_on_every_rank_is_one_line_from_rank_0(dataset, tmp_path, sets, key):
     results = zaya_train(_config(tmp_path, dataset), tmp_path / "run", 2, *sets, timeout=120)
@@ -276,6 +277,22 @@ def test_the_old_timeout_key_says_where_it_went(dataset, tmp_path):
     config = write_config(tmp_path / "run.toml", dataset, train={"collective_timeout_s": 60.0})
     with pytest.raises(ZayaError, match=r"'train.collective_timeout_s' moved to 'parallel.timeout_s'"):
         load_config(config)
+
+
+@pytest.mark.parametrize(("sets", "says"), [
+    (["parallel.ep=4"], "key 'parallel.ep': 6 experts do not split into parallel.ep = 4 equal groups"),
+    (["parallel.ep=2", "train.compile=true"], "key 'train.compile': compiled blocks do not yet take parallel.ep"),
+])
+def test_expert_parallelism_that_does_not_fit_is_one_line(dataset, tmp_path, sets, says):
+    config = load_config(write_config(tmp_path / "run.toml", dataset, model={"num_experts": 6}), sets)
+    with pytest.raises(ZayaError, match=says):
+        config.resolve(4).check_job()
+
+
+def test_compiled_blocks_are_chosen_only_without_expert_parallelism(dataset, tmp_path):
+    path = write_config(tmp_path / "run.toml", dataset)  # train.compile = "auto"
+    assert load_config(path).resolve(2, auto_compile=True).train.compile is True
+    assert load_config(path, ["parallel.ep=2"]).resolve(2, auto_compile=True).train.compile is False
 
 
 def _train_with_own_config(rank: int, world_size: int, configs: list[str], run: str) -> tuple[int, str, str]:

@@ -80,8 +80,9 @@ def test_a_fresh_run_starts_with_the_loss_of_the_weights_it_starts_from(source, 
 
 @pytest.mark.slow
 def test_sharded_ranks_start_from_the_same_weights(source, dataset, tmp_path):
-    """Two ranks, each loading its shards: from an HF directory (read whole, sharded on the way in) under full
-    sharding, from a checkpoint (resharded by DCP) under ZeRO-1."""
+    """Two ranks, each loading its shards and, with the experts split over them (`parallel.ep = 2`), its
+    experts: from an HF directory (read whole, sharded on the way in) under full sharding, from a checkpoint
+    (resharded by DCP) under ZeRO-1."""
     one = write_config(tmp_path / "one.toml", dataset,
                        train={"max_steps": 3, "eval_every": 0, "seed": 11, "init_from": str(source / "hf")})
     build_trainer(load_config(one), tmp_path / "one").run()
@@ -89,7 +90,8 @@ def test_sharded_ranks_start_from_the_same_weights(source, dataset, tmp_path):
     checkpoint = next((source / "run" / "checkpoints").glob("step_*"))
     for name, path, sharding in [("hf", source / "hf", "full"), ("checkpoint", checkpoint, "zero1")]:
         run = tmp_path / name
-        results = zaya_train(one, run, 2, f"train.init_from={path}", f"parallel.sharding={sharding}")
+        results = zaya_train(one, run, 2, f"train.init_from={path}", f"parallel.sharding={sharding}",
+                             "parallel.ep=2")
         assert all(code == 0 for code, _, _ in results), results[0][2][-3000:]
         assert read_metrics(run)[0]["loss"] == pytest.approx(expected, rel=1e-5), name
 
