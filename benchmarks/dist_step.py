@@ -3,7 +3,7 @@ theoretical volume, distributed Muon's extra traffic, and step time at 2 ranks a
 
     python benchmarks/dist_step.py [--preset tiny] [--ranks 1 2 4] [--batch 4] [--seq 128] [--steps 4]
                                    [--micro-batches 1] [--shardings full zero2] [--precision fp32]
-                                   [--ns-dtype float32]
+                                   [--ns-dtype float32] [--ep 1 2]
 
 Each world size N runs in N fresh processes (one intra-op thread each, so that a rank has the same compute
 at every N), through the trainer's own pieces: `init_parallel`, `parallelize`, `build_optimizer`. The batch per
@@ -19,6 +19,11 @@ rank is fixed (weak scaling). Printed per N, and as ratios against the named ref
 - seconds per step at N ranks against 1 rank;
 - each sharding mode (`parallel.sharding`) side by side: with --micro-batches above 1, full sharding gathers
   and reduces in every micro-batch, ZeRO-2 once per step;
+- with --ep above 1 (expert parallelism, `parallel.ep`, at every world size it divides), the bytes of the
+  token exchange against the routes: each rank sends the rows it routes to the other ranks of its group and,
+  in the combine, the rows they routed to it, once forward and once backward, plus the counts (theory from the
+  routes each rank recorded, so the ratio is exact, not a uniform-routing estimate); FSDP2's bytes against
+  `fsdp_volume(..., ep)`; and the step time against no expert parallelism at the same N;
 - the owner plan's balance of Newton-Schulz FLOPs (busiest rank / mean) for the `small` and `zaya1-base`
   matrices on --plan-ranks ranks, computed from the shapes alone (meta device).
 
@@ -48,10 +53,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
 
     warnings.filterwarnings("ignore")
     import zaya
+    from zaya.model.transformer import Zaya
     from zaya.optim.config import OptimConfig
     from zaya.optim.hybrid import build_optimizer
     from zaya.parallel.config import ParallelConfig, ParallelizeConfig
     from zaya.parallel.dtensor import clip_grad_norm_, local, local_bytes
+    from zaya.parallel.experts import expert_span, finish_gradients, parallel_experts, whole_shapes
     from zaya.parallel.fsdp import (
         accumulate,
         fsdp_volume,
@@ -61,12 +68,26 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         replicated_parameters,
     )
     from zaya.parallel.launch import Launch
+    from zaya.parallel.materialize import materialize
     from zaya.parallel.mesh import init_parallel
 
-    context = init_parallel(ParallelConfig(), torch.device("cpu"), Launch.from_env(os.environ))
+    context = init_parallel(ParallelConfig(ep=args.ep), torch.device("cpu"), Launch.from_env(os.environ))
     mode = args.sharding
     sharding = ParallelizeConfig(bf16=args.precision == "bf16", sharding=mode)
-    model = parallelize(zaya.build_model(args.preset, seed=0), context.fsdp_mesh, sharding, context.counter)
+    with torch.device("meta"):
+        model = Zaya(zaya.get_preset(args.preset))
+    model = parallelize(model, context.fsdp_mesh, sharding, context.counter, context.experts)
+    model = materialize(model, torch.device("cpu"), 0, whole_shapes(model))
+    routed = []  # per MoE layer call: the rows this rank routes to each rank of its expert group
+
+    def note_routes(module, inputs) -> None:
+        route = inputs[1]
+        counts = torch.bincount(route, minlength=module.total + 1)[:module.total]
+        routed.append(counts.view(args.ep, -1).sum(1).tolist())
+
+    for experts in parallel_experts(model):
+        experts.register_forward_pre_hook(note_routes)
+    span = None if context.experts is None else lambda p: expert_span(p, context.experts)
     optimizer = build_optimizer(model, OptimConfig(ns_dtype=args.ns_dtype), comm=context.counter)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(rank)
@@ -81,7 +102,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
                 loss = model.loss(micro[:, :-1], micro[:, 1:])
             (loss * micro.shape[0] / ids.shape[0]).backward()
         reduce_replicated_gradients(model, context.fsdp_mesh, context.counter)
-        clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None], 1.0)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if context.experts is not None:
+            finish_gradients(params, context.experts)
+        clip_grad_norm_(params, 1.0, spans=span)
         forward_backward = context.counter.take()
         optimizer.step()
         muon = context.counter.take()
@@ -89,6 +113,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         if step:  # the first step builds the optimizer state and the owner plan
             times.append(time.perf_counter() - started)
             sent.append((forward_backward, muon))
+        else:
+            routed.clear()
     params = [p for group in optimizer.param_groups for p in group["params"]]  # the shards, in any mode
     routers = sum(p.numel() for p in replicated_parameters(model))
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
@@ -96,10 +122,11 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     result = {
         "params": local_bytes(params), "grads": local_bytes([p.grad for p in params if p.grad is not None]),
         "state": local_bytes(state), "replicated": local_bytes(replicated),
-        "times": times, "sent": sent,
+        "times": times, "sent": sent, "routed": routed, "hidden": model.config.hidden_size,
+        "experts": model.config.num_experts,
         # FSDP2's collectives and the routers' gradient all-reduce (they are whole on every rank)
         "theory": fsdp_volume(zaya.build_model(args.preset, seed=0), world, 1, args.precision, args.micro_batches,
-                              sharding=mode) + 2 * routers * 4 * (world - 1) / world,
+                              sharding=mode, ep=args.ep) + 2 * routers * 4 * (world - 1) / world,
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     import gc
@@ -131,6 +158,25 @@ def plan_balance(presets: list[str], worlds: list[int]) -> None:
         print(f"Newton-Schulz FLOPs, busiest rank / mean, {preset:<11} " + "  ".join(cells) + "  (target <= 1.15)")
 
 
+def exchange_theory(ranks: list[dict], ep: int, precision: str) -> list[float]:
+    """Each rank's bytes of the token exchange over the measured steps, from the routes they recorded: per MoE
+    layer call, the rows it sends to the others of its group and the rows they send it (the combine returns
+    them), each of `hidden` values in the autocast dtype, forward and backward; and the counts, E / ep int64
+    to each other rank."""
+    width = ranks[0]["hidden"] * (2 if precision == "bf16" else 4)
+    counts_bytes = (ep - 1) * ranks[0]["experts"] // ep * 8
+    theory = []
+    for rank, result in enumerate(ranks):
+        group = [r for r in range(len(ranks)) if r // ep == rank // ep]
+        mine, total = rank % ep, 0.0
+        for call, routed in enumerate(result["routed"]):
+            out = sum(n for p, n in enumerate(routed) if p != mine)
+            into = sum(ranks[peer]["routed"][call][mine] for peer in group if peer != rank)
+            total += 2 * (out + into) * width + counts_bytes
+        theory.append(total)
+    return theory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -143,6 +189,7 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--plan-ranks", type=int, nargs="+", default=[2, 3, 4, 8, 32, 64])
+    parser.add_argument("--ep", type=int, nargs="+", default=[1], help="expert-parallel sizes (parallel.ep)")
     args = parser.parse_args()
     if args.batch % args.micro_batches:
         parser.error(f"--batch {args.batch} does not split into --micro-batches {args.micro_batches}")
@@ -152,7 +199,29 @@ def main() -> None:
     plan_balance(["small", "zaya1-base"], args.plan_ranks)
     for mode in args.shardings:
         print(f"-- {mode} sharding")
-        report(argparse.Namespace(**{**vars(args), "sharding": mode}))
+        report(argparse.Namespace(**{**vars(args), "sharding": mode, "ep": 1}))
+    for ep in (e for e in args.ep if e > 1):
+        for mode in args.shardings:
+            print(f"-- expert parallelism, ep {ep}, {mode} sharding")
+            report_ep(argparse.Namespace(**{**vars(args), "sharding": mode, "ep": ep}))
+
+
+def report_ep(args: argparse.Namespace) -> None:
+    print(f"{'ranks':>5} {'exchange MB':>12} {'theory MB':>10} {'measured/theory':>16} {'FSDP MB':>8} "
+          f"{'FSDP theory MB':>15} {'measured/theory':>16} {'s/step':>7} {'s/step ep 1':>12} {'ep/ep 1':>8}")
+    for world in (w for w in args.ranks if w % args.ep == 0):
+        ranks = run(world, args)
+        plain = run(world, argparse.Namespace(**{**vars(args), "ep": 1}))
+        steps = len(ranks[0]["sent"])
+        exchanged = statistics.mean(sum(s[0].get("experts", 0) for s in r["sent"]) / steps for r in ranks)
+        theory = statistics.mean(exchange_theory(ranks, args.ep, args.precision)) / steps
+        fsdp = statistics.mean(sum(v for k, v in s[0].items() if k.startswith("fsdp_") or k == "replicated")
+                               for r in ranks for s in r["sent"])
+        seconds = statistics.median(t for r in ranks for t in r["times"])
+        base = statistics.median(t for r in plain for t in r["times"])
+        print(f"{world:>5} {exchanged / 1e6:12.3f} {theory / 1e6:10.3f} {exchanged / theory:16.4f} "
+              f"{fsdp / 1e6:8.2f} {ranks[0]['theory'] / 1e6:15.2f} {fsdp / ranks[0]['theory']:16.3f} "
+              f"{seconds:7.3f} {base:12.3f} {base / seconds:8.2f}")
 
 
 def report(args: argparse.Namespace) -> None:

@@ -40,10 +40,7 @@ def _exchange_worker(rank: int, world: int, case: str, monkeypatch_tolist: bool)
     torch.nn.init.normal_(whole.gate_up_proj, std=0.05)
     torch.nn.init.normal_(whole.down_proj, std=0.05)
     counter = CommCounter()
-    ours = ParallelExperts(whole, context.experts, counter)
-    with torch.no_grad():
-        ours.gate_up_proj.copy_(whole.gate_up_proj[ours.first:ours.first + ours.num_experts])
-        ours.down_proj.copy_(whole.down_proj[ours.first:ours.first + ours.num_experts])
+    ours = ParallelExperts(whole, context.experts, counter)  # a copy of its experts of the whole stacks
     generator = torch.Generator().manual_seed(100 + rank)
     route = _routes(case, rank, generator)
     x = torch.randn(TOKENS, D, generator=generator)

@@ -53,10 +53,9 @@ class ParallelExperts(Experts):
         self.first = mesh.rank * self.num_experts
         self.mesh, self.counter = mesh, counter
         self.use_grouped_mm = whole.use_grouped_mm
-        for name in ("gate_up_proj", "down_proj"):
-            shape = getattr(whole, name).shape
-            setattr(self, name, nn.Parameter(torch.empty(self.num_experts, *shape[1:],
-                                                         device=getattr(whole, name).device)))
+        for name in ("gate_up_proj", "down_proj"):  # this rank's experts (on the meta device: their shapes)
+            rows = getattr(whole, name).detach()[self.first:self.first + self.num_experts]
+            setattr(self, name, nn.Parameter(rows.clone()))
 
     def forward(self, x_ND: torch.Tensor, route_N: torch.Tensor, weight_N: torch.Tensor | None) -> torch.Tensor:
         ranks, experts, (N, D) = self.mesh.size, self.num_experts, x_ND.shape

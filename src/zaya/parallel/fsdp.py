@@ -243,18 +243,26 @@ def is_recomputed(module: nn.Module) -> bool:
 
 
 def fsdp_volume(model: Zaya, shard_ranks: int, replicas: int, precision: str, micro_batches: int = 1,
-                sharding: str = "full") -> float:
+                sharding: str = "full", ep: int = 1) -> float:
     """FSDP2's theoretical bytes sent per rank in one optimizer step of `micro_batches` micro-batches, by the
     formulas of `zaya.parallel.comm` and without the padding of uneven shards: per unit and micro-batch that
     gathers it (`collectives_per_step`) one all-gather of its parameters in forward, one more in backward if
     it is freed after forward, one reduce-scatter of its gradients (fp32), and with HSDP one all-reduce of the
-    reduced shards."""
-    n, r = shard_ranks, replicas
+    reduced shards. `model` is a plain `Zaya`; with `ep` > 1 each block's experts are a unit of their own,
+    1/ep of them over shard_ranks / ep ranks (`zaya.parallel.experts`)."""
     total = 0.0
     for unit, params in unit_parameters(model):
-        numel = sum(p.numel() for p in params)
-        param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else 4
-        total += gathers_per_micro_batch(unit, sharding, n) * numel * param_bytes * (n - 1) / n
-        total += numel * 4 * (n - 1) / n
-        total += 2 * (numel / n) * 4 * (r - 1) / r
+        moe = getattr(unit.module, "moe", None)
+        split = {id(p) for p in moe.experts.parameters()} if moe is not None and ep > 1 else set()
+        total += _unit_volume(unit, sum(p.numel() for p in params if id(p) not in split), shard_ranks, replicas,
+                              precision, sharding)
+        if split:
+            total += _unit_volume(unit, sum(p.numel() for p in params if id(p) in split) / ep, shard_ranks // ep,
+                                  replicas, precision, sharding)
     return total * collectives_per_step(sharding, micro_batches)
+
+
+def _unit_volume(unit: Unit, numel: float, n: int, replicas: int, precision: str, sharding: str) -> float:
+    param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else 4
+    return (gathers_per_micro_batch(unit, sharding, n) * numel * param_bytes * (n - 1) / n
+            + numel * 4 * (n - 1) / n + 2 * (numel / n) * 4 * (replicas - 1) / replicas)
