@@ -36,9 +36,11 @@ def _model(**overrides):
     return zaya.build_model(zaya.get_preset("micro", temp_init=1.0, **overrides), seed=0)
 
 
-def _volume_worker(rank: int, world: int, replicas: int, precision: str) -> dict:
-    context = init_parallel(ParallelConfig(dp_replicate=replicas), torch.device("cpu"), Launch.from_env(os.environ))
-    model = parallelize(_model(fp32_logits=True), context.fsdp_mesh, _run_config(precision), context.counter)
+def _volume_worker(rank: int, world: int, replicas: int, precision: str, ep: int) -> dict:
+    context = init_parallel(ParallelConfig(dp_replicate=replicas, ep=ep), torch.device("cpu"),
+                            Launch.from_env(os.environ))
+    model = parallelize(_model(fp32_logits=True), context.fsdp_mesh, _run_config(precision), context.counter,
+                        context.experts)
     seen = {}
 
     def note(name: str, weight: str):
@@ -54,7 +56,7 @@ def _volume_worker(rank: int, world: int, replicas: int, precision: str) -> dict
     loss.backward()
     reduce_replicated_gradients(model, context.fsdp_mesh, context.counter)
     sent = context.counter.take()
-    theory = fsdp_volume(_model(fp32_logits=True), world // replicas, replicas, precision)
+    theory = fsdp_volume(_model(fp32_logits=True), world // replicas, replicas, precision, ep=ep)
     routers = replicated_parameters(model)
     assert routers and not any(is_dtensor(p) for p in routers)  # whole on every rank, in no unit
     router_grads = torch.cat([p.grad.reshape(-1) for p in routers])
@@ -63,11 +65,15 @@ def _volume_worker(rank: int, world: int, replicas: int, precision: str) -> dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "replicas", "precision"), [(2, 1, "fp32"), (2, 1, "bf16"), (4, 2, "fp32")],
-                         ids=["fsdp-fp32", "fsdp-bf16", "hsdp-fp32"])
-def test_fsdp_traffic_matches_its_theoretical_volume(world, replicas, precision):
-    results = run_distributed(_volume_worker, world, replicas, precision, timeout=240)
+@pytest.mark.parametrize(("world", "replicas", "precision", "ep"),
+                         [(2, 1, "fp32", 1), (2, 1, "bf16", 2), (4, 2, "fp32", 2)],
+                         ids=["fsdp-fp32", "fsdp-bf16-ep2", "hsdp-fp32-ep2"])
+def test_fsdp_traffic_matches_its_theoretical_volume(world, replicas, precision, ep):
+    """With expert parallelism (ep 2) each block's experts are a unit of 1/ep of the experts, over the ranks
+    holding them (one here, or one per replica under HSDP): they are not gathered, and the tokens travel."""
+    results = run_distributed(_volume_worker, world, replicas, precision, ep, timeout=240)
     for result in results:
+        assert (result["sent"].get("experts", 0) > 0) == (ep > 1)
         fsdp = sum(v for k, v in result["sent"].items() if k.startswith("fsdp_"))
         # measured from the collectives themselves; above the theory only by the padding of uneven shards
         assert 1.0 <= fsdp / result["theory"] <= 1.1, result

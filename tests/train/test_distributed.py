@@ -313,12 +313,14 @@ def test_ranks_with_different_settings_stop_before_the_first_step_naming_the_key
 @pytest.mark.slow
 def test_expert_parallelism_trains_like_one_process_and_its_checkpoints_reshard(dataset, tmp_path, single):
     """Experts split over ep ranks, the tokens exchanged, on every layout in a chain of checkpoints: ep 2 on 2
-    ranks -> one process -> ep 2 of dp_shard 4 (each expert stack sharded over 2 ranks), ZeRO-2 -> ep 4 ->
+    ranks -> one process -> ep 2 of dp_shard 4 (each expert stack sharded over 2 ranks), ZeRO-2, the MoE
+    recomputed in backward (its exchanges run again) -> ep 4 ->
     ep 2 under HSDP, ZeRO-1 -> cp 2 x ep 2. One process reads each checkpoint (`zaya.load_model`)."""
     config, run = _config(tmp_path, dataset), tmp_path / "run"
     chain = [(2, ["parallel.ep=2"], "dp_shard 2 x cp 1 (experts over ep 2)"),
              (1, [], "dp_shard 1 x cp 1 ="),
-             (4, ["parallel.ep=2", "parallel.sharding=zero2"], "dp_shard 4 x cp 1 (experts over ep 2)"),
+             (4, ["parallel.ep=2", "parallel.sharding=zero2", "train.activation_checkpointing=moe"],
+              "dp_shard 4 x cp 1 (experts over ep 2)"),
              (4, ["parallel.ep=4"], "dp_shard 4 x cp 1 (experts over ep 4)"),
              (4, ["parallel.ep=2", "parallel.dp_replicate=2", "parallel.sharding=zero1"],
               "dp_replicate 2 x dp_shard 2 x cp 1 (experts over ep 2)"),
