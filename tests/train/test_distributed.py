@@ -1,7 +1,8 @@
-"""Sharded training on gloo ranks (`zaya train` on the ranks of the session's pool): FSDP2 and HSDP train like one
-process, and a checkpoint written by every rank continues on another world size and mesh (a chain: 1 -> 2 -> 3
-ranks with uneven shards -> HSDP 2 x 2 -> 2, then a Hugging Face export; and 3 -> 2 with experts split along their
-rows), async saves hold their step's values; under torchrun, two agents form one job that survives a killed rank,
+"""Sharded training on gloo ranks (`zaya train` on the ranks of the session's pool): FSDP2, HSDP and expert
+parallelism train like one process, and a checkpoint written by every rank continues on another world size, mesh
+and expert layout (a chain: 1 -> 2 with ep 2 -> 3 ranks with uneven shards -> HSDP 2 x 2 with ep 2 -> ep 4 -> cp 2
+x ep 2, then a Hugging Face export; and 3 -> 2 with experts split along their rows), async saves hold their step's
+values; under torchrun, two agents form one job that survives a killed rank,
 and bad input stops every rank with one line."""
 
 from __future__ import annotations
@@ -123,38 +124,51 @@ def _shards_by_rank(directory: Path) -> dict[int, int]:
 
 @pytest.mark.slow
 def test_a_checkpoint_chain_across_world_sizes_and_meshes_trains_like_one_process(dataset, tmp_path, single):
+    """Every link of a chain of checkpoints trains two steps as one process does: 1 rank -> 2 ranks with the
+    experts split over them (ep 2), ZeRO-2 -> 3 ranks with uneven shards -> HSDP 2 x 2 with ep 2, ZeRO-1 ->
+    ep 4 with the MoE recomputed in backward -> cp 2 x ep 2 (each expert stack sharded over the 2 ranks that
+    hold it); then a Hugging Face export. Each sharding mode and expert layout resumes in the others (ZeRO-2
+    saves and loads the sharded parameters as full sharding does), and the experts are saved whole, keyed by
+    expert, at every ep."""
     config, run = _config(tmp_path, dataset), tmp_path / "run"
-    _train(config, run, 1, "train.max_steps=2")
-    # each sharding mode resumes in the others: full (the one rank) -> ZeRO-2 (one gathering and one reduction
-    # per step of 2 or 3 micro-batches) -> full -> ZeRO-1 (whole parameters kept, gathered again after each
-    # update) under HSDP -> full. ZeRO-2 saves and loads the sharded parameters as full sharding does, so
-    # ZeRO-2 <-> ZeRO-1 takes the paths full <-> ZeRO-1 takes.
-    chain = [(2, ["parallel.sharding=zero2"], "zero2 sharding; mesh dp_replicate 1 x dp_shard 2"),
-             (3, [], "full sharding; mesh dp_replicate 1 x dp_shard 3"),
-             (4, ["parallel.dp_replicate=2", "parallel.sharding=zero1"], "zero1 sharding; mesh dp_replicate 2"),
-             (2, [], "full sharding; mesh dp_replicate 1 x dp_shard 2")]
-    written = 1
+    chain = [(1, [], "full sharding; mesh dp_replicate 1 x dp_shard 1 x cp 1 ="),
+             (2, ["parallel.ep=2", "parallel.sharding=zero2"],
+              "zero2 sharding; mesh dp_replicate 1 x dp_shard 2 x cp 1 (experts over ep 2)"),
+             (3, [], "full sharding; mesh dp_replicate 1 x dp_shard 3 x cp 1 ="),
+             (4, ["parallel.dp_replicate=2", "parallel.ep=2", "parallel.sharding=zero1"],
+              "zero1 sharding; mesh dp_replicate 2 x dp_shard 2 x cp 1 (experts over ep 2)"),
+             (4, ["parallel.ep=4", "train.activation_checkpointing=moe"],
+              "full sharding; mesh dp_replicate 1 x dp_shard 4 x cp 1 (experts over ep 4)"),
+             (4, ["parallel.cp=2", "parallel.ep=2"], "mesh dp_replicate 1 x dp_shard 2 x cp 2 (experts over ep 2)")]
+    written = None
     for index, (nproc, mesh, shape) in enumerate(chain):
-        steps = 2 * (index + 2)
+        steps = 2 * (index + 1)
         results = _train(config, run, nproc, *mesh, f"train.max_steps={steps}")
         segment = (run / "train.log").read_text().split("resumed from")[-1]  # this run's lines
-        assert f"written by {written} rank(s)" in segment and shape in segment, segment
+        assert shape in segment, segment
+        assert written is None or f"written by {written} rank(s)" in segment, segment
         assert "timeouts: collectives 1800 s" in segment
         assert sum(out.count("done:") for _, out, _ in results) == 1  # rank 0 alone says it
         rows = [r for r in read_metrics(run) if r["step"] > steps - 2]
-        assert all(len(r["peak_memory_bytes"]) == nproc and min(r["comm_bytes"]) > 0 for r in rows)
+        assert all(len(r["peak_memory_bytes"]) == nproc for r in rows)
+        assert nproc == 1 or all(min(r["comm_bytes"]) > 0 for r in rows)
         _assert_same_training(run, single, range(steps - 1, steps + 1))
+        metadata = ckpt.read_metadata(run / "checkpoints" / f"step_{steps:08d}")
+        for key in ("model.blocks.0.moe.experts.gate_up_proj",
+                    "optim..state.blocks.0.moe.experts.down_proj.momentum_buffer"):
+            assert metadata.state_dict_metadata[key].size[0] == 4, key  # whole, keyed by expert
         written = nproc
     # rank 0 writes train.log and the metrics, every other rank a log of its own
     assert sorted(p.name for p in (run / "logs").iterdir()) == [f"rank-{r}.log" for r in range(1, 4)]
-    # the HSDP checkpoint of step 8 holds each shard rank's part of every tensor, once
+    # the HSDP checkpoint of step 8 holds each shard rank's part of every tensor, once (the experts: each ep
+    # rank's)
     metadata = ckpt.read_metadata(run / "checkpoints" / "step_00000008")
     for key in ("model.blocks.0.attn.q_proj.weight", "model.blocks.0.moe.experts.gate_up_proj",
                 "optim..state.blocks.0.moe.experts.down_proj.momentum_buffer"):
         assert len(metadata.state_dict_metadata[key].chunks) == 2, key
-    shards = _shards_by_rank(run / "checkpoints" / "step_00000010")
-    assert set(shards) == {0, 1} and min(shards.values()) > 0.4 * max(shards.values())
-    _assert_same_training(run, single, range(1, 11))
+    shards = _shards_by_rank(run / "checkpoints" / "step_00000006")
+    assert set(shards) == {0, 1, 2} and min(shards.values()) > 0.4 * max(shards.values())
+    _assert_same_training(run, single, range(1, 13))
 
     from transformers import AutoModelForCausalLM
 
@@ -308,31 +322,3 @@ def test_ranks_with_different_settings_stop_before_the_first_step_naming_the_key
         assert code == 2 and len(lines) == 1, err[-3000:]
         assert "the ranks disagree on config.optim.lr: 0.01 on rank 0, 0.02 on rank 1" in lines[0], lines
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
-
-
-@pytest.mark.slow
-def test_expert_parallelism_trains_like_one_process_and_its_checkpoints_reshard(dataset, tmp_path, single):
-    """Experts split over ep ranks, the tokens exchanged, on every layout in a chain of checkpoints: ep 2 on 2
-    ranks -> one process -> ep 2 of dp_shard 4 (each expert stack sharded over 2 ranks), ZeRO-2, the MoE
-    recomputed in backward (its exchanges run again) -> ep 4 ->
-    ep 2 under HSDP, ZeRO-1 -> cp 2 x ep 2. One process reads each checkpoint (`zaya.load_model`)."""
-    config, run = _config(tmp_path, dataset), tmp_path / "run"
-    chain = [(2, ["parallel.ep=2"], "dp_shard 2 x cp 1 (experts over ep 2)"),
-             (1, [], "dp_shard 1 x cp 1 ="),
-             (4, ["parallel.ep=2", "parallel.sharding=zero2", "train.activation_checkpointing=moe"],
-              "dp_shard 4 x cp 1 (experts over ep 2)"),
-             (4, ["parallel.ep=4"], "dp_shard 4 x cp 1 (experts over ep 4)"),
-             (4, ["parallel.ep=2", "parallel.dp_replicate=2", "parallel.sharding=zero1"],
-              "dp_replicate 2 x dp_shard 2 x cp 1 (experts over ep 2)"),
-             (4, ["parallel.ep=2", "parallel.cp=2"], "dp_shard 2 x cp 2 (experts over ep 2)")]
-    for index, (nproc, sets, shape) in enumerate(chain):
-        steps = 2 * (index + 1)
-        _train(config, run, nproc, *sets, f"train.max_steps={steps}")
-        segment = (run / "train.log").read_text().split("resumed from")[-1]
-        assert shape in segment, segment
-        _assert_same_training(run, single, range(steps - 1, steps + 1))
-        metadata = ckpt.read_metadata(run / "checkpoints" / f"step_{steps:08d}")
-        for key in ("model.blocks.0.moe.experts.gate_up_proj",
-                    "optim..state.blocks.0.moe.experts.down_proj.momentum_buffer"):
-            assert metadata.state_dict_metadata[key].size[0] == 4, key  # whole, keyed by expert
-    _assert_same_training(run, single, range(1, 13))
