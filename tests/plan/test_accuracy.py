@@ -25,6 +25,7 @@ def _id(case: Case) -> str:
     extra = f"-hsdp{case.dp_replicate}" if case.dp_replicate > 1 else ""
     extra += f"-cp{case.cp}-{case.cp_kernel}" if case.cp > 1 else ""
     extra += f"-ac-{case.activation_checkpointing}" if case.activation_checkpointing != "none" else ""
+    extra += f"-ep{case.ep}" if case.ep > 1 else ""
     return f"{case.preset}-{case.precision}-{case.world}rank{extra}"
 
 

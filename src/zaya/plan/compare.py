@@ -16,7 +16,8 @@ from zaya.plan.planner import device_details, plan_run
 
 @dataclass(frozen=True)
 class Case:
-    """One measured configuration: `world` ranks as dp_replicate x (world / dp_replicate / cp) x cp."""
+    """One measured configuration: `world` ranks as dp_replicate x (world / dp_replicate / cp) x cp, the experts
+    over `ep` of them."""
 
     preset: str
     precision: str
@@ -28,18 +29,21 @@ class Case:
     cp: int = 1
     activation_checkpointing: str = "none"
     cp_kernel: str = "allgather"
+    ep: int = 1
 
     @property
     def layout(self) -> Layout:
         return Layout(self.world, self.world, self.dp_replicate, self.world // self.dp_replicate // self.cp, self.cp,
-                      self.micro_batch_size, self.activation_checkpointing, compiled=False)  # measured eagerly
+                      self.micro_batch_size, self.activation_checkpointing, compiled=False,  # measured eagerly
+                      ep=self.ep)
 
     def measure_kwargs(self) -> dict:
         """The arguments of `measured_step` for this case."""
         return {"preset": self.preset, "precision": self.precision, "seq_len": self.seq_len,
                 "micro_batch_size": self.micro_batch_size, "micro_batches": self.micro_batches,
                 "dp_replicate": self.dp_replicate, "cp": self.cp,
-                "activation_checkpointing": self.activation_checkpointing, "cp_kernel": self.cp_kernel}
+                "activation_checkpointing": self.activation_checkpointing, "cp_kernel": self.cp_kernel,
+                "ep": self.ep}
 
     def run_config(self) -> RunConfig:
         """The run config whose step `measured_step` runs (Newton-Schulz in fp32, as it does)."""
@@ -53,11 +57,12 @@ class Case:
         config.optim.ns_dtype = "float32"
         config.parallel.dp_replicate, config.parallel.cp = self.dp_replicate, self.cp
         config.parallel.cp_kernel = self.cp_kernel
+        config.parallel.ep = self.ep
         return config
 
 
 # what tests/plan/test_accuracy.py and benchmarks/plan_accuracy.py measure: memory and traffic on 1 to 4 gloo
-# ranks (FSDP2, HSDP, context parallelism, checkpointing, bf16), and one process's step time
+# ranks (FSDP2, HSDP, context parallelism, checkpointing, bf16, expert parallelism), and one process's step time
 ACCURACY_CASES = (
     Case("tiny", "fp32", 64, 2, 2, world=1),
     Case("tiny", "fp32", 64, 2, 2, world=2),
@@ -69,6 +74,7 @@ ACCURACY_CASES = (
     Case("tiny", "fp32", 128, 2, 1, world=2, cp=2),
     Case("tiny", "fp32", 128, 2, 1, world=4, cp=2, cp_kernel="ring", activation_checkpointing="full"),
     Case("tiny", "bf16", 64, 2, 1, world=2, activation_checkpointing="moe"),
+    Case("tiny", "fp32", 64, 2, 1, world=2, ep=2),
 )
 TIME_CASES = (Case("tiny", "fp32", 256, 4, 2), Case("small", "fp32", 256, 4, 1))
 
@@ -83,12 +89,12 @@ def predicted_step(case: Case, rank: int = 0, device: DeviceSpec | None = None, 
     layout = case.layout
     # a rank's place in its FSDP group (dp_shard x cp, the innermost dimensions)
     parameters, gradients, optimizer = state_bytes(inventory(model), layout.shard_ranks,
-                                                   rank % layout.shard_ranks)
+                                                   rank % layout.shard_ranks, layout.ep)
     details = device_details(device, table.device, case.precision) if table is not None else CPU_DETAILS[
         case.precision]
     tokens = case.micro_batch_size * case.seq_len // case.cp
     saved, _ = activation_bytes(model, tokens, case.seq_len, case.cp, case.precision,
-                                case.activation_checkpointing, details)
+                                case.activation_checkpointing, details, case.ep)
     spec = device or (get_device("local", table) if table is not None else get_device("h100"))
     plan = plan_run(run, spec, table, case.world, layout)
     comm = {kind: nbytes for kind, nbytes in plan.first.traffic.by_kind.items() if kind != "trainer"}

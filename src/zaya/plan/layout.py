@@ -1,17 +1,21 @@
-"""A parallel layout of a run on a cluster: the mesh, the micro-batch and activation checkpointing, with the
-GPUs it runs on. The planner predicts for one `Layout`; `zaya plan --search` enumerates them."""
+"""A parallel layout of a run on a cluster: the mesh, expert parallelism, the micro-batch and activation
+checkpointing, with the GPUs it runs on. The planner predicts for one `Layout`; `zaya plan --search` enumerates
+them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from zaya.errors import ZayaError
+from zaya.parallel.config import experts_split_problem
 
 
 @dataclass(frozen=True)
 class Layout:
     """`gpus` ranks, `gpus_per_node` per node, in the mesh (dp_replicate, dp_shard, cp) of
-    `zaya.parallel.mesh` (cp innermost, so that consecutive ranks share their cp and dp_shard groups)."""
+    `zaya.parallel.mesh` (cp innermost, so that consecutive ranks share their cp and dp_shard groups). `ep`
+    (`parallel.ep`) splits the dp_shard x cp ranks into groups of ep consecutive ones that hold different
+    experts; the ranks ep apart hold the same ones (`expert_shard_ranks` of them, FSDP2's group for experts)."""
 
     gpus: int
     gpus_per_node: int
@@ -22,11 +26,17 @@ class Layout:
     activation_checkpointing: str
     compiled: bool = True  # blocks compiled (`train.compile`, on for accelerators): FSDP2's units differ
     sharding: str = "full"  # `parallel.sharding`: "zero2" and "zero1" gather and reduce once per step
+    ep: int = 1  # `parallel.ep`: expert-parallel ranks
 
     @property
     def shard_ranks(self) -> int:
         """The ranks FSDP2 shards over: dp_shard x cp (`ParallelContext.fsdp_mesh`)."""
         return self.dp_shard * self.cp
+
+    @property
+    def expert_shard_ranks(self) -> int:
+        """The ranks that hold the same experts and shard them: dp_shard x cp / ep."""
+        return self.shard_ranks // self.ep
 
     @property
     def dp(self) -> int:
@@ -48,15 +58,19 @@ class Layout:
 
     def describe(self) -> str:
         return (f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} on {self.gpus} GPU(s) "
-                f"({self.gpus_per_node} per node), {self.sharding} sharding, micro-batch {self.micro_batch_size}, "
+                f"({self.gpus_per_node} per node), ep {self.ep}, {self.sharding} sharding, "
+                f"micro-batch {self.micro_batch_size}, "
                 f"activation checkpointing {self.activation_checkpointing}")
 
     def settings(self) -> list[str]:
-        """The `--set` overrides that give a run this layout (with `train.compile` as it is)."""
-        return [f"parallel.dp_replicate={self.dp_replicate}", f"parallel.dp_shard={self.dp_shard}",
-                f"parallel.cp={self.cp}", f"parallel.sharding={self.sharding}",
-                f"train.micro_batch_size={self.micro_batch_size}",
-                f"train.activation_checkpointing={self.activation_checkpointing}"]
+        """The `--set` overrides that give a run this layout (with `train.compile` as it is, but off with
+        expert parallelism, which runs its blocks eagerly: `expert_parallel_problem`). dp_shard is left to fill
+        the GPUs (-1), as the planner fills it for a phase with a cp of its own."""
+        settings = [f"parallel.dp_replicate={self.dp_replicate}", "parallel.dp_shard=-1",
+                    f"parallel.cp={self.cp}", f"parallel.ep={self.ep}", f"parallel.sharding={self.sharding}",
+                    f"train.micro_batch_size={self.micro_batch_size}",
+                    f"train.activation_checkpointing={self.activation_checkpointing}"]
+        return settings + (["train.compile=false"] if self.ep > 1 else [])
 
 
 def check_batch(global_batch: int, layout: Layout, what: str, source: str) -> None:
@@ -66,3 +80,16 @@ def check_batch(global_batch: int, layout: Layout, what: str, source: str) -> No
         raise ZayaError(f"{source}: key '{what}': a global batch of {global_batch} sequences does not divide "
                         f"over {layout.dp} data-parallel ranks (dp_replicate {layout.dp_replicate} x dp_shard "
                         f"{layout.dp_shard}, with cp = {layout.cp})")
+
+
+def expert_parallel_problem(num_experts: int, layout: Layout) -> str | None:
+    """What keeps `layout`'s expert parallelism from running (None if nothing): the rules
+    `zaya.parallel.config` holds a run's `[parallel]` to, for a layout the search made, and
+    `zaya.parallel.fsdp.parallelize`'s: no compiled blocks with ep > 1 (the token exchange reads its split sizes
+    on the host, which a whole-block graph cannot)."""
+    if layout.shard_ranks % layout.ep:
+        return (f"parallel.ep = {layout.ep} does not divide dp_shard x cp = {layout.dp_shard} x {layout.cp} = "
+                f"{layout.shard_ranks}")
+    if layout.ep > 1 and layout.compiled:
+        return f"parallel.ep = {layout.ep} needs train.compile = false (blocks with expert parallelism run eagerly)"
+    return experts_split_problem(num_experts, layout.ep)

@@ -84,10 +84,11 @@ def activation_bytes(forward: Callable[[], Any], model: nn.Module) -> tuple[Any,
 def measured_step(launch: Launch, preset: str, precision: str, seq_len: int, micro_batch_size: int,
                   micro_batches: int, dp_replicate: int = 1, cp: int = 1, activation_checkpointing: str = "none",
                   cp_kernel: str = "allgather", ns_dtype: str = "float32", steps: int = 2,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, ep: int = 1) -> dict:
     """On each rank of a launched job (`launch`: torchrun's environment): build the model of `preset` as the
     trainer does (FSDP2 over the job's mesh, Muon + AdamW), run `steps` optimizer steps of `micro_batches`
-    micro-batches of random tokens (Newton-Schulz in `ns_dtype`), and return what the last step held and
+    micro-batches of random tokens (Newton-Schulz in `ns_dtype`; the experts over `ep` ranks), and return what
+    the last step held and
     sent: `state` (`state_bytes`), `activations` (of its first micro-batch), `comm` (bytes by collective
     kind; this loop makes none of the trainer's own all-reduces) and `seconds` (the median step after the
     first, which warms the allocator and the kernels up; the only one if `steps` is 1)."""
@@ -101,18 +102,21 @@ def measured_step(launch: Launch, preset: str, precision: str, seq_len: int, mic
     from zaya.parallel.config import ParallelConfig, ParallelizeConfig
     from zaya.parallel.context import ContextParallel, SequenceLayout
     from zaya.parallel.dtensor import clip_grad_norm_
+    from zaya.parallel.experts import expert_span, finish_gradients
     from zaya.parallel.fsdp import parallelize, reduce_replicated_gradients
     from zaya.parallel.mesh import init_parallel
     from zaya.train.config import TrainSection
 
     tune_host_allocator()  # as the trainer does
     device = torch.device("cpu")
-    context = init_parallel(ParallelConfig(dp_replicate=dp_replicate, cp=cp, cp_kernel=cp_kernel), device, launch)
+    context = init_parallel(ParallelConfig(dp_replicate=dp_replicate, cp=cp, ep=ep, cp_kernel=cp_kernel), device,
+                            launch)
     try:
         torch.manual_seed(seed)
         config = get_preset(preset, temp_init=1.0)
         sharding = ParallelizeConfig(activation_checkpointing, bf16=precision == "bf16")
-        model = parallelize(Zaya(config), context.fsdp_mesh, sharding, context.counter)
+        experts = context.experts
+        model = parallelize(Zaya(config), context.fsdp_mesh, sharding, context.counter, experts)
         optimizer = build_optimizer(model, OptimConfig(ns_dtype=ns_dtype), comm=context.counter)
         sequence = ContextParallel(SequenceLayout(seq_len, cp), context.cp_group, cp_kernel, context.counter) \
             if cp > 1 else None
@@ -137,7 +141,11 @@ def measured_step(launch: Launch, preset: str, precision: str, seq_len: int, mic
                     result["activations"] = saved
                 (loss / micro_batches).backward()
             reduce_replicated_gradients(model, context.fsdp_mesh, context.counter)
-            clip_grad_norm_([p for p in model.parameters() if p.grad is not None], TrainSection.grad_clip)
+            params = [p for p in model.parameters() if p.grad is not None]
+            if experts is not None:  # as the trainer does
+                finish_gradients(params, experts)
+            spans = None if experts is None else functools.partial(expert_span, experts=experts)
+            clip_grad_norm_(params, TrainSection.grad_clip, spans=spans)
             optimizer.step()
             times.append(time.perf_counter() - started)
             result["comm"] = context.counter.take()

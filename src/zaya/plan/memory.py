@@ -37,6 +37,14 @@ than one micro-batch, every gradient whole in fp32. The optimizer's Newton-Schul
 matrices this rank owns, whole, `zaya.optim.distributed`) is needed after backward, once activations are gone.
 
     total = parameters + gradients + optimizer state + max(activations + transient + buffers, workspace)
+
+Expert parallelism (`parallel.ep`): a rank keeps 1/ep of each block's experts, sharded over the ep-th part of the
+FSDP ranks that hold the same ones (`zaya.plan.inventory`), so its shards, gradients and optimizer state stay
+about numel / (dp_shard x cp) (padding aside); what shrinks by ep is every whole copy of the experts: two
+blocks' gathered experts in flight, every block's under ZeRO-2 and ZeRO-1 (kept whole across steps), and the
+whole fp32 gradients ZeRO-2 accumulates. Activations are those of ep = 1: with uniform routing a rank's experts
+receive as many rows as it sends (the exchange's buffers are transient and outlived by the loss's chunk), and
+each of its E / ep experts pads its rows to the device's multiple.
 """
 
 from __future__ import annotations
@@ -107,11 +115,16 @@ class Memory:
 
 
 @functools.lru_cache(maxsize=256)
-def state_bytes(inv: Inventory, shard_ranks: int, rank: int = 0) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer state) of `rank` among `shard_ranks` FSDP2 ranks, in bytes; the
-    replicated parameters (the routers) whole on every rank."""
-    padded = sum(p.padded_shard_numel(shard_ranks) for p in inv.params) + inv.replicated_numel
-    optimizer = sum((1 if p.muon else 2) * p.shard_numel(shard_ranks, rank) for p in inv.params)
+def state_bytes(inv: Inventory, shard_ranks: int, rank: int = 0, ep: int = 1) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) of `rank` among `shard_ranks` FSDP2 ranks with `ep`
+    expert-parallel ranks, in bytes; the replicated parameters (the routers) whole on every rank."""
+    padded = optimizer = 0
+    for unit in inv.sharded_units(ep):
+        ranks = unit.shard_ranks(shard_ranks)
+        place = rank // unit.ep  # the experts' shards go to the ranks ep apart that hold the same experts
+        padded += sum(p.padded_shard_numel(ranks) for p in unit.params)
+        optimizer += sum((1 if p.muon else 2) * p.shard_numel(ranks, place) for p in unit.params)
+    padded += inv.replicated_numel
     optimizer += sum((1 if p.muon else 2) * p.numel for p in inv.replicated)
     return padded * FP32, padded * FP32, optimizer * FP32
 
@@ -151,15 +164,21 @@ def _kept_inputs_per_token(c: ZayaConfig) -> int:
     return (c.hidden_size + c.router_hidden_size) * FP32
 
 
+def row_padding(config: ZayaConfig, tokens: int, details: DeviceDetails, ep: int = 1) -> float:
+    """The grouped GEMMs' rows over the tokens they take: each of a rank's E / ep experts pads its rows to a
+    multiple, on average by half a multiple (a rank's experts receive about `tokens` rows in all)."""
+    return 1 + config.num_experts // ep * (details.row_multiple - 1) / 2 / max(tokens, 1)
+
+
 def activation_bytes(config: ZayaConfig, tokens: int, seq_len: int, cp: int, precision: str, mode: str,
-                     details: DeviceDetails = GPU_DETAILS) -> tuple[int, int]:
+                     details: DeviceDetails = GPU_DETAILS, ep: int = 1) -> tuple[int, int]:
     """(saved, transient recompute) activation bytes of one micro-batch of `tokens` local tokens (sequences of
-    `seq_len` split over `cp` ranks) under checkpointing `mode`; see the module docstring."""
+    `seq_len` split over `cp` ranks) under checkpointing `mode` with `ep` expert-parallel ranks; see the
+    module docstring."""
     c, p = config, Precision(precision)
     local = seq_len // cp
     segment = local // (2 if cp > 1 else 1)  # head-tail sharding: two runs per rank
-    # each expert's rows padded to a multiple: on average half a multiple per expert
-    rho = 1 + c.num_experts * (details.row_multiple - 1) / 2 / max(tokens, 1)
+    rho = row_padding(c, tokens, details, ep)
     attention = _attention_per_token(c, p, segment)
     moe_outside, moe = _moe_outside_per_token(c), _moe_inside_per_token(c, p, rho)
     constants = _block_constants(c, p)
@@ -195,17 +214,23 @@ def _unit_bytes(unit, precision: str) -> int:
 
 @functools.lru_cache(maxsize=256)
 def buffer_bytes(inv: Inventory, shard_ranks: int, precision: str, sharding: str = "full",
-                 micro_batches: int = 1) -> int:
+                 micro_batches: int = 1, ep: int = 1) -> int:
     """FSDP2's unsharded parameters and gradients in flight (see the module docstring). Under ZeRO-2 every unit
     stays gathered for the whole step (under ZeRO-1 for good), and with more than one micro-batch every
-    gradient is kept whole in fp32 until the last one reduces it."""
-    blocks = [u for u in inv.units if u.block]
-    per_block = [_unit_bytes(u, precision) for u in blocks] or [0]
-    grads = [u.numel * (FP32 + (2 if precision == "bf16" else FP32)) for u in blocks] or [0]
+    gradient is kept whole in fp32 until the last one reduces it. With `ep` expert-parallel ranks a block's
+    experts are gathered whole only to this rank's 1/ep of them."""
+    blocks = [u.split(ep) for u in inv.units if u.block]
+    grads = [sum(part.numel for part in parts) * (FP32 + (2 if precision == "bf16" else FP32))
+             for parts in blocks] or [0]
     root = sum(_unit_bytes(u, precision) for u in inv.units if not u.block)
-    whole = shard_ranks == 1 or sharding != "full"
-    gathered = sum(per_block) if whole else 2 * max(per_block)
-    accumulated = inv.numel * FP32 if sharding != "full" and micro_batches > 1 else 0
+    gathered = 0
+    for experts in (False, True):  # the experts stay whole where their group is one rank (ep = dp_shard x cp)
+        per_block = [sum(_unit_bytes(part, precision) for part in parts if (part.ep > 1) == experts)
+                     for parts in blocks] or [0]
+        whole = shard_ranks // (ep if experts else 1) == 1 or sharding != "full"
+        gathered += sum(per_block) if whole else 2 * max(per_block)
+    whole_numel = sum(unit.numel for unit in inv.sharded_units(ep))
+    accumulated = whole_numel * FP32 if sharding != "full" and micro_batches > 1 else 0
     return root + gathered + accumulated + 2 * max(grads)
 
 
@@ -226,14 +251,14 @@ def memory_per_gpu(config: ZayaConfig, layout: Layout, seq_len: int, precision: 
     """The `Memory` of rank 0 (the largest shard) of a run of `layout` on sequences of `seq_len` tokens and
     `micro_batches` micro-batches a step; `mode` overrides the layout's activation checkpointing."""
     inv = inventory(config)
-    params, grads, optimizer = state_bytes(inv, layout.shard_ranks)
+    params, grads, optimizer = state_bytes(inv, layout.shard_ranks, 0, layout.ep)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     saved, recompute = activation_bytes(config, tokens, seq_len, layout.cp, precision,
-                                        mode or layout.activation_checkpointing, details)
+                                        mode or layout.activation_checkpointing, details, layout.ep)
     transient = max(recompute, loss_chunk_bytes(config, tokens, precision, details))
     ns_bytes = 2 if ns_dtype in ("bfloat16", "bf16") else FP32
     return Memory(parameters=params, gradients=grads, optimizer_state=optimizer, master_weights=0,
                   activations=saved, transient=transient,
                   communication_buffers=buffer_bytes(inv, layout.shard_ranks, precision, layout.sharding,
-                                                     micro_batches),
+                                                     micro_batches, layout.ep),
                   optimizer_workspace=workspace_bytes(inv, layout.shard_ranks, ns_bytes, layout.dp_replicate))

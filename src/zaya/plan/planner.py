@@ -31,7 +31,7 @@ from zaya.model.flops import training_flops_per_token
 from zaya.model.params import ParameterReport, parameter_report
 from zaya.parallel.config import sequence_split_problem
 from zaya.plan.devices import DeviceSpec
-from zaya.plan.layout import Layout, check_batch
+from zaya.plan.layout import Layout, check_batch, expert_parallel_problem
 from zaya.plan.memory import MODES, DeviceDetails, Memory, activation_bytes, memory_per_gpu
 from zaya.plan.timing import Rates, RooflineRates, StepTime, step_time
 from zaya.plan.traffic import Traffic, step_traffic
@@ -136,8 +136,18 @@ class Plan:
         }
 
 
+_REPORTS: dict[str, ParameterReport] = {}
+
+
 def _parameter_report(config: ZayaConfig) -> ParameterReport:
-    return _cached_report(json.dumps(config.to_dict(), sort_keys=True))
+    """The report of `config`, remembered by its fields (`repr`, cheaper than the JSON a layout search would
+    otherwise write twice per layout)."""
+    key = repr(config)
+    if key not in _REPORTS:
+        if len(_REPORTS) >= 16:
+            _REPORTS.clear()
+        _REPORTS[key] = _cached_report(json.dumps(config.to_dict(), sort_keys=True))
+    return _REPORTS[key]
 
 
 @functools.lru_cache(maxsize=16)
@@ -164,7 +174,7 @@ def layout_of(run: ResolvedRun, gpus_per_node: int, phase: int) -> Layout:
     """The `Layout` the run's `[parallel]` gives phase `phase` on its GPUs."""
     mesh = run.mesh(phase)
     return Layout(run.world_size, gpus_per_node, mesh.dp_replicate, mesh.dp_shard, mesh.cp, run.train.micro_batch_size,
-                  run.train.activation_checkpointing, bool(run.train.compile), run.parallel.sharding)
+                  run.train.activation_checkpointing, bool(run.train.compile), run.parallel.sharding, run.parallel.ep)
 
 
 def bandwidths_for(layout: Layout, device: DeviceSpec) -> dict[str, float]:
@@ -172,10 +182,12 @@ def bandwidths_for(layout: Layout, device: DeviceSpec) -> dict[str, float]:
     intra, inter = (b * COLLECTIVE_EFFICIENCY for b in (device.intra_node_bandwidth, device.inter_node_bandwidth))
     if layout.gpus_per_node == 1:
         intra = inter
-    C, S = layout.cp, layout.dp_shard
+    C, S, ep = layout.cp, layout.dp_shard, layout.ep
     spans = {"cp": layout.spans_nodes(C, 1), "dp_shard_cp": layout.spans_nodes(S * C, 1),
              "dp_replicate": layout.spans_nodes(layout.dp_replicate, S * C),
              "world": layout.gpus > layout.gpus_per_node}
+    if ep > 1:  # the token exchange's consecutive ranks, and the ranks ep apart that shard the same experts
+        spans.update(ep=layout.spans_nodes(ep, 1), edp=layout.spans_nodes(S * C // ep, ep))
     return {dim: (inter if crosses else intra) for dim, crosses in spans.items()}
 
 
@@ -193,7 +205,7 @@ def plan_phase(run: ResolvedRun, layout: Layout, seq_len: int, device: DeviceSpe
     memory = memory_per_gpu(model, layout, seq_len, run.precision, optim.ns_dtype, details,
                             micro_batches=micro_batches)
     tokens = micro * seq_len // layout.cp
-    by_mode = {mode: activation_bytes(model, tokens, seq_len, layout.cp, run.precision, mode, details)[0]
+    by_mode = {mode: activation_bytes(model, tokens, seq_len, layout.cp, run.precision, mode, details, layout.ep)[0]
                for mode in MODES}
     traffic = step_traffic(model, layout, seq_len, run.precision, micro_batches, optim.ns_dtype, parallel.cp_kernel,
                            parallel.cp_sharding)
@@ -264,6 +276,9 @@ def plan_run(run: ResolvedRun, device: DeviceSpec, table=None, gpus_per_node: in
         try:
             if layout is None:
                 mesh = layout_of(run, per_node, index)
+                problem = expert_parallel_problem(model.num_experts, mesh)
+                if problem:
+                    raise ZayaError(f"{run.source}: {problem}")
             else:
                 # a phase with a cp of its own keeps it; the others take the layout's
                 cp = phase.cp if phase.cp != run.parallel.cp else layout.cp
@@ -275,6 +290,9 @@ def plan_run(run: ResolvedRun, device: DeviceSpec, table=None, gpus_per_node: in
                 if index == 0 and layout.dp_replicate * layout.dp_shard * layout.cp != gpus:
                     raise ZayaError(f"{run.source}: dp_replicate x dp_shard x cp = {layout.dp_replicate} x "
                                     f"{layout.dp_shard} x {layout.cp} is not {gpus} GPUs")
+                problem = expert_parallel_problem(model.num_experts, mesh)
+                if problem:
+                    raise ZayaError(f"{run.source}: {problem}")
                 # the run's own mesh was checked by `run.mesh`; this one is new
                 problem = sequence_split_problem(phase.seq_len, mesh.cp, run.parallel.cp_sharding,
                                                  min_chunk=model.conv_padding) if mesh.cp > 1 else None

@@ -1,9 +1,10 @@
-"""`zaya plan --search`: every layout of a GPU count (dp_replicate x dp_shard x cp, sharding mode, micro-batch,
-activation checkpointing), planned, the ones that fit ranked by the run's predicted hours, and each rejected one with
-its reason; and the smallest GPU count on which the run fits at all.
+"""`zaya plan --search`: every layout of a GPU count (dp_replicate x dp_shard x cp, expert parallelism, sharding
+mode, micro-batch, activation checkpointing), planned, the ones that fit ranked by the run's predicted hours, and
+each rejected one with its reason; and the smallest GPU count on which the run fits at all.
 
 Context parallelism is searched for the phases that use `[parallel].cp`; a phase with a `cp` of its own keeps
-it. Micro-batches are the divisors of a rank's share of the batch, up to 16 sequences.
+it. Micro-batches are the divisors of a rank's share of the batch, up to 16 sequences. Expert parallelism: 1
+and every divisor of the number of experts that divides dp_shard x cp (which is the same in every phase).
 """
 
 from __future__ import annotations
@@ -49,12 +50,20 @@ def layouts(run: ResolvedRun, gpus_per_node: int) -> list[Layout]:
             shard = gpus // cp // replicate
             per_rank = batch // (replicate * shard) if batch % (replicate * shard) == 0 else 0
             micro_batches = [m for m in _divisors(per_rank) if m <= MAX_MICRO_BATCH] if per_rank else [1]
-            for micro in micro_batches:
-                for mode in MODES:
-                    for sharding in SHARDINGS:
-                        result.append(Layout(gpus, gpus_per_node, replicate, shard, cp, micro, mode,
-                                             bool(run.train.compile), sharding))
+            for ep in expert_parallel_sizes(run.model.num_experts, shard * cp):
+                compiled = bool(run.train.compile) and ep == 1  # expert parallelism runs eagerly
+                for micro in micro_batches:
+                    for mode in MODES:
+                        for sharding in SHARDINGS:
+                            result.append(Layout(gpus, gpus_per_node, replicate, shard, cp, micro, mode, compiled,
+                                                 sharding, ep))
     return result
+
+
+def expert_parallel_sizes(num_experts: int, shard_ranks: int) -> list[int]:
+    """The `parallel.ep` values a mesh allows: whole experts, as many on every rank, in groups of its
+    dp_shard x cp ranks."""
+    return [ep for ep in _divisors(num_experts) if shard_ranks % ep == 0]
 
 
 def evaluate(run: ResolvedRun, layout: Layout, device: DeviceSpec, table=None) -> Candidate:
@@ -89,10 +98,12 @@ def search_layouts(run: ResolvedRun, gpus_per_node: int, device: DeviceSpec, tab
 
 def leanest(run: ResolvedRun, gpus_per_node: int) -> Layout:
     """The layout of the run's GPUs that needs the least memory: everything sharded, full checkpointing, one
-    sequence per micro-batch, the configured cp."""
+    sequence per micro-batch, the configured cp, the experts over as many ranks as they split over (which
+    shrinks their gathered copies and leaves the rest as it is)."""
     gpus, cp = run.world_size, run.parallel.cp
     cp = cp if gpus % cp == 0 else 1
-    return Layout(gpus, gpus_per_node, 1, gpus // cp, cp, 1, "full", bool(run.train.compile))
+    ep = max(expert_parallel_sizes(run.model.num_experts, gpus))
+    return Layout(gpus, gpus_per_node, 1, gpus // cp, cp, 1, "full", bool(run.train.compile) and ep == 1, ep=ep)
 
 
 def smallest_fit(config: RunConfig, precision: str, device: DeviceSpec, gpus_per_node: int,
@@ -113,5 +124,5 @@ def smallest_fit(config: RunConfig, precision: str, device: DeviceSpec, gpus_per
 def describe(candidate: Candidate) -> str:
     layout = candidate.layout
     return (f"dp_replicate {layout.dp_replicate:>3} x dp_shard {layout.dp_shard:>4} x cp {layout.cp:>2}, "
-            f"{layout.sharding:<5} sharding, micro-batch {layout.micro_batch_size:>2}, checkpointing "
-            f"{layout.activation_checkpointing:<4}")
+            f"ep {layout.ep:>2}, {layout.sharding:<5} sharding, micro-batch {layout.micro_batch_size:>2}, "
+            f"checkpointing {layout.activation_checkpointing:<4}")

@@ -38,6 +38,12 @@ before the first block and one reduce-scatter after the last; the ring
 kernel's KV transfers overlap the attention blocks, the all-gather kernel's do not; Muon's all-to-alls and
 the trainer's all-reduces are exposed. Bandwidth per mesh dimension: the scale-up links if every group of
 that dimension lies inside a node, the network (per GPU) otherwise.
+
+Expert parallelism (`parallel.ep`): a rank's grouped GEMMs run E / ep experts of ~N ep / E rows each (the same
+rows in all, in fewer, larger groups); the token exchange waits on its data and the experts wait on it, so
+its all-to-alls are exposed whole; the received rows are put in expert order and back (a read and a write
+of them each way); each MoE forward reads the exchange's split sizes back to the host (a sync per layer).
+Blocks with expert parallelism run eagerly (`zaya.parallel.fsdp.parallelize` compiles none yet).
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ from zaya.device import default_accelerator, launches_overlap_compute
 from zaya.model.config import ZayaConfig
 from zaya.parallel.fsdp import collectives_per_step, gathers_per_micro_batch
 from zaya.plan.layout import Layout
-from zaya.plan.memory import GPU_DETAILS, DeviceDetails, activation_bytes
-from zaya.plan.traffic import DIMENSION, Traffic
+from zaya.plan.memory import GPU_DETAILS, DeviceDetails, activation_bytes, row_padding
+from zaya.plan.traffic import DIMENSIONS, Traffic
 from zaya.train.stats import HOST_READS_PER_STEP
 
 # ops whose output size or value the host must read back from the device
@@ -168,11 +174,12 @@ def _grouped(rates: Rates, m: float, n: int, k: int, groups: int, dtype: str, ba
 
 
 def block_gemm_seconds(c: ZayaConfig, rates: Rates, tokens: int, precision: str, rho: float,
-                       backward: bool = True, parts: str = "all") -> float:
-    """One block's GEMMs for `tokens` tokens (`parts`: "all", "attention" or "moe")."""
+                       backward: bool = True, parts: str = "all", ep: int = 1) -> float:
+    """One block's GEMMs for `tokens` tokens (`parts`: "all", "attention" or "moe"); with `ep` expert-parallel
+    ranks the experts' GEMMs take the same rows over this rank's E / ep experts."""
     a = precision
-    D, Q, K, R, E, F_ = c.hidden_size, c.query_latent, c.key_latent, c.router_hidden_size, c.num_experts, \
-        c.moe_intermediate_size
+    D, Q, K, R, F_ = c.hidden_size, c.query_latent, c.key_latent, c.router_hidden_size, c.moe_intermediate_size
+    E = c.num_experts // ep
     attention = _dense(rates, tokens, Q + 2 * K, D, a, backward) + _dense(rates, tokens, D, Q, a, backward) + \
         _dense(rates, tokens, Q + K, c.head_dim * (c.conv_padding + 1), a, backward)
     moe = (_dense(rates, tokens, R, D, "fp32", backward) + 2 * _dense(rates, tokens, R, R, "fp32", backward)
@@ -251,12 +258,21 @@ def _op_counts(key: str) -> OpCounts:
                     float(sync_two - sync_one), float(2 * sync_one - sync_two))
 
 
+_OP_COUNTS: dict[str, OpCounts] = {}
+
+
 def op_counts(config: ZayaConfig) -> OpCounts:
-    """The `OpCounts` of `_op_counts`, for a small model with `config`'s options."""
-    small = {**config.to_dict(), "vocab_size": 256, "hidden_size": 64, "num_attention_heads": 2,
-             "num_key_value_heads": 2, "head_dim": 16, "num_experts": 2, "moe_intermediate_size": 32,
-             "router_hidden_size": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
-    return _op_counts(json.dumps(small, sort_keys=True))
+    """The `OpCounts` of `_op_counts`, for a small model with `config`'s options (remembered by the config's
+    fields: a layout search asks for them tens of thousands of times)."""
+    key = repr(config)
+    if key not in _OP_COUNTS:
+        small = {**config.to_dict(), "vocab_size": 256, "hidden_size": 64, "num_attention_heads": 2,
+                 "num_key_value_heads": 2, "head_dim": 16, "num_experts": 2, "moe_intermediate_size": 32,
+                 "router_hidden_size": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
+        if len(_OP_COUNTS) >= 16:
+            _OP_COUNTS.clear()
+        _OP_COUNTS[key] = _op_counts(json.dumps(small, sort_keys=True))
+    return _OP_COUNTS[key]
 
 
 def host_seconds(c: ZayaConfig, layout: Layout, micro_batches: int, op_overhead_s: float) -> tuple[float, float]:
@@ -271,6 +287,8 @@ def host_seconds(c: ZayaConfig, layout: Layout, micro_batches: int, op_overhead_
     else:
         issued = micro_batches * (ops.per_block * (L + recomputed) + ops.outside) * op_overhead_s
     reads = micro_batches * (ops.syncs_per_block * L + ops.syncs_outside) + HOST_READS_PER_STEP
+    if layout.ep > 1:  # each MoE forward (again where recomputed) reads its exchange's split sizes
+        reads += micro_batches * L * (2 if layout.activation_checkpointing in ("moe", "full") else 1)
     return issued, reads
 
 
@@ -282,15 +300,31 @@ def fsdp_copy_bytes(c: ZayaConfig, layout: Layout, precision: str, micro_batches
     the sum)."""
     from zaya.plan.inventory import inventory
 
-    times = collectives_per_step(layout.sharding, micro_batches)
+    return _fsdp_copy_bytes(inventory(c), layout.shard_ranks, layout.ep, layout.sharding, precision, micro_batches)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fsdp_copy_bytes(inv, shard_ranks: int, ep: int, sharding: str, precision: str, micro_batches: int) -> float:
+    times = collectives_per_step(sharding, micro_batches)
     total = 0.0
-    for unit in inventory(c).units:
+    for unit in inv.sharded_units(ep):
         param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else 4
-        gathers = gathers_per_micro_batch(unit, layout.sharding, layout.shard_ranks)
+        gathers = gathers_per_micro_batch(unit, sharding, unit.shard_ranks(shard_ranks))
         total += times * (gathers * 4 * unit.numel * param_bytes + 6 * unit.numel * 4)
         if times < micro_batches:
             total += (micro_batches - times) * unit.numel * (param_bytes + 2 * 4)
     return total
+
+
+def ep_copy_bytes(c: ZayaConfig, layout: Layout, tokens: int, precision: str, micro_batches: int) -> float:
+    """Bytes expert parallelism copies in one step: the rows a rank receives put in expert order for its
+    grouped GEMMs and their outputs back in arrival order (read and write each), in forward, in backward and
+    in the MoE's recomputation; nothing with ep = 1, where the dispatch already groups the rows."""
+    if layout.ep == 1:
+        return 0.0
+    passes = 3 if layout.activation_checkpointing in ("moe", "full") else 2
+    vectors = 2 if precision == "bf16" else 4
+    return micro_batches * c.num_hidden_layers * passes * 2 * 2 * tokens * c.hidden_size * vectors
 
 
 def optimizer_seconds(c: ZayaConfig, rates: Rates, layout: Layout, ns_dtype: str, ns_steps: int,
@@ -352,12 +386,13 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     """The `StepTime` of one optimizer step of rank 0; `bandwidths` are bytes/s per mesh dimension."""
     mode = layout.activation_checkpointing
     tokens = layout.micro_batch_size * seq_len // layout.cp
-    rho = 1 + c.num_experts * (details.row_multiple - 1) / 2 / max(tokens, 1)
+    ep = layout.ep
+    rho = row_padding(c, tokens, details, ep)
     L = c.num_hidden_layers
     time = StepTime()
-    blocks = L * block_gemm_seconds(c, rates, tokens, precision, rho)
-    recomputed = {"none": 0.0, "moe": L * block_gemm_seconds(c, rates, tokens, precision, rho, False, "moe"),
-                  "full": L * block_gemm_seconds(c, rates, tokens, precision, rho, False)}[mode]
+    blocks = L * block_gemm_seconds(c, rates, tokens, precision, rho, ep=ep)
+    recomputed = {"none": 0.0, "moe": L * block_gemm_seconds(c, rates, tokens, precision, rho, False, "moe", ep),
+                  "full": L * block_gemm_seconds(c, rates, tokens, precision, rho, False, ep=ep)}[mode]
     loss = loss_gemm_seconds(c, rates, tokens, precision, details)
     time.gemm = micro_batches * (blocks + recomputed + loss)
     passes = 4 if mode == "full" else 3
@@ -365,13 +400,14 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
                                                            precision, passes)
     # a recomputed region repeats its forward's share (about a third) of its elementwise work
     recompute = {"none": 1.0, "moe": 1 + 0.5 / 3, "full": 1 + 1 / 3}[mode]
-    saved, _ = activation_bytes(c, tokens, seq_len, layout.cp, precision, "none", details)
+    saved, _ = activation_bytes(c, tokens, seq_len, layout.cp, precision, "none", details, ep)
     saved -= c.vocab_size * c.hidden_size * 4  # the loss's dW: written once, counted with the loss
     moved = ELEMENTWISE_PASSES * saved * recompute + LOSS_BYTES_PER_LOGIT * tokens * c.vocab_size
     # measured on the device: how much slower than the bytes say (`zaya.plan.calibrate`)
     seconds = moved / rates.memory_bandwidth * (getattr(rates, "elementwise_factor", 0.0) or 1.0)
-    time.elementwise = micro_batches * seconds + \
-        fsdp_copy_bytes(c, layout, precision, micro_batches) / rates.memory_bandwidth
+    time.elementwise = micro_batches * seconds + (fsdp_copy_bytes(c, layout, precision, micro_batches)
+                                                  + ep_copy_bytes(c, layout, tokens, precision, micro_batches)) \
+        / rates.memory_bandwidth
     issued, reads = host_seconds(c, layout, micro_batches, rates.op_overhead_s)
     device_type = (getattr(rates, "device", None) or default_accelerator().type).split(":")[0]
     if launches_overlap_compute(device_type):
@@ -380,11 +416,11 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     time.overhead = issued
     time.optimizer = optimizer_seconds(c, rates, layout, ns_dtype, ns_steps,
                                        getattr(rates, "optimizer_factor", 0.0) or 1.0)
-    time.comm_by_dimension = {dim: 0.0 for dim in set(DIMENSION.values())}
-    seconds = {}
-    for kind, nbytes in traffic.by_kind.items():
-        seconds[kind] = nbytes / bandwidths[DIMENSION[kind]]
-        time.comm_by_dimension[DIMENSION[kind]] += seconds[kind]
+    time.comm_by_dimension = {dim: 0.0 for dim in DIMENSIONS}
+    seconds: dict[str, float] = {}
+    for (kind, dim), nbytes in traffic.entries.items():
+        seconds[kind] = seconds.get(kind, 0.0) + nbytes / bandwidths[dim]
+        time.comm_by_dimension[dim] += nbytes / bandwidths[dim]
     fsdp = sum(v for k, v in seconds.items() if k.startswith("fsdp_"))
     block_compute = time.gemm + time.attention + time.elementwise
     edges = 2 * fsdp / max(1, 2 * L + 1)  # one block's gathering before the first, its reduction after the last
@@ -395,5 +431,6 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     cp = sum(v for k, v in seconds.items() if k.startswith("cp_"))
     exposed += cp if cp_kernel == "allgather" else max(0.0, cp - time.attention)
     exposed += sum(v for k, v in seconds.items() if k.startswith("muon_") or k in ("trainer", "replicated"))
+    exposed += seconds.get("experts", 0.0)  # the experts wait for their rows, the block for their outputs
     time.comm_exposed = exposed
     return time

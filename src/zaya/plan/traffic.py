@@ -16,8 +16,18 @@ all-reduce 2 S (N - 1) / N, an all-to-all the bytes addressed to others):
   of their gradients home, in fp32; with full activation checkpointing the forward's share is sent twice;
 - the routers' gradients (whole on every rank, `zaya.parallel.fsdp.replicated_parameters`), per step: one fp32
   all-reduce over every rank;
-- the trainer's own all-reduces: the gradient norm and the step's statistics.
+- the trainer's own all-reduces: the gradient norm and the step's statistics;
+- expert parallelism (`parallel.ep`, torchtitan's): each rank keeps 1/ep of every block's experts, and FSDP2
+  shards those over the expert-data-parallel group (edp = dp_shard x cp / ep ranks, `ep` apart), so that their
+  all-gathers and reduce-scatters run over edp ranks on 1/ep of the bytes (the HSDP all-reduce of their
+  shards is unchanged: shards of numel / (ep edp)); per micro-batch and MoE layer every token's hidden vector
+  goes to the rank of its expert and its output comes back (two `all_to_all_single` in forward, two in
+  backward, two more where the MoE is recomputed), in the autocast dtype; with uniform routing (ep - 1) / ep
+  of them leave the rank (the skip route, which the router's bias all but closes, is counted as routed);
+  each forward also exchanges the token counts (E / ep int64 to each other rank of the group).
 
+Each figure is recorded with the mesh group it runs over (`Traffic.by_dimension`): the kinds are those
+`zaya.parallel.comm.CommCounter` counts, and FSDP2 counts its experts' collectives with the others.
 Per rank the figure is the mean over the ranks of a group (owners send more than others in Muon's scatter).
 """
 
@@ -33,43 +43,88 @@ from zaya.plan.inventory import inventory
 from zaya.plan.layout import Layout
 
 FP32 = 4
-# which mesh dimension each counted kind of traffic runs over
+INT64 = 8
+# which mesh group each counted kind of traffic runs over, unless `Traffic.add` says otherwise: "edp" is the
+# group of the ranks holding the same experts, "ep" a group of ep consecutive ranks that exchange tokens
 DIMENSION = {"fsdp_all_gather": "dp_shard_cp", "fsdp_reduce_scatter": "dp_shard_cp",
              "fsdp_all_reduce": "dp_replicate", "muon_gather": "world", "muon_scatter": "world",
-             "cp_kv": "cp", "cp_dkv": "cp", "cp_halo": "cp", "trainer": "world", "replicated": "world"}
+             "cp_kv": "cp", "cp_dkv": "cp", "cp_halo": "cp", "trainer": "world", "replicated": "world",
+             "experts": "ep"}
+DIMENSIONS = ("dp_replicate", "dp_shard_cp", "edp", "ep", "cp", "world")
 
 
 @dataclass
 class Traffic:
-    """Bytes per rank and step by collective (the kinds `zaya.parallel.comm.CommCounter` counts)."""
+    """Bytes per rank and step by collective (the kinds `zaya.parallel.comm.CommCounter` counts) and by the
+    mesh group it runs over."""
 
-    by_kind: dict[str, float] = field(default_factory=dict)
+    entries: dict[tuple[str, str], float] = field(default_factory=dict)  # (kind, dimension): bytes
+
+    @property
+    def by_kind(self) -> dict[str, float]:
+        result: dict[str, float] = {}
+        for (kind, _), nbytes in self.entries.items():
+            result[kind] = result.get(kind, 0.0) + nbytes
+        return result
 
     @property
     def total(self) -> float:
-        return sum(self.by_kind.values())
+        return sum(self.entries.values())
 
     def by_dimension(self) -> dict[str, float]:
         result: dict[str, float] = {}
-        for kind, nbytes in self.by_kind.items():
-            result[DIMENSION[kind]] = result.get(DIMENSION[kind], 0.0) + nbytes
+        for (_, dim), nbytes in self.entries.items():
+            result[dim] = result.get(dim, 0.0) + nbytes
         return result
 
-    def add(self, kind: str, nbytes: float) -> None:
+    def add(self, kind: str, nbytes: float, dimension: str | None = None) -> None:
         if nbytes:
-            self.by_kind[kind] = self.by_kind.get(kind, 0.0) + nbytes
+            key = (kind, dimension or DIMENSION[kind])
+            self.entries[key] = self.entries.get(key, 0.0) + nbytes
 
 
 def fsdp_traffic(config: ZayaConfig, layout: Layout, precision: str, micro_batches: int, traffic: Traffic) -> None:
-    n, r = layout.shard_ranks, layout.dp_replicate
     times = collectives_per_step(layout.sharding, micro_batches)
-    for unit in inventory(config).units:
+    for kind, nbytes, group in _fsdp_bytes(inventory(config), layout.shard_ranks, layout.dp_replicate, layout.ep,
+                                           layout.sharding, precision, times):
+        traffic.add(kind, nbytes, group)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fsdp_bytes(inv, shard_ranks: int, r: int, ep: int, sharding: str, precision: str,
+                times: int) -> tuple[tuple[str, float, str | None], ...]:
+    """(kind, bytes, mesh group) of a step's FSDP2 collectives, summed over the units (a layout search asks
+    for the same mesh at every micro-batch and checkpointing)."""
+    totals: dict[tuple[str, str | None], float] = {}
+
+    def add(kind: str, nbytes: float, group: str | None) -> None:
+        totals[kind, group] = totals.get((kind, group), 0.0) + nbytes
+
+    for unit in inv.sharded_units(ep):
+        n = unit.shard_ranks(shard_ranks)
+        group = "edp" if unit.ep > 1 else "dp_shard_cp"
         shard = unit.padded_shard_numel(n)
         param_bytes = 2 if precision == "bf16" and not unit.keep_fp32 else FP32
-        gathers = gathers_per_micro_batch(unit, layout.sharding, n)
-        traffic.add("fsdp_all_gather", times * gathers * shard * param_bytes * (n - 1))
-        traffic.add("fsdp_reduce_scatter", times * shard * n * FP32 * (n - 1) / n)
-        traffic.add("fsdp_all_reduce", times * 2 * shard * FP32 * (r - 1) / r)
+        gathers = gathers_per_micro_batch(unit, sharding, n)
+        add("fsdp_all_gather", times * gathers * shard * param_bytes * (n - 1), group)
+        add("fsdp_reduce_scatter", times * shard * n * FP32 * (n - 1) / n, group)
+        add("fsdp_all_reduce", times * 2 * shard * FP32 * (r - 1) / r, None)
+    return tuple((kind, nbytes, group) for (kind, group), nbytes in totals.items())
+
+
+def ep_traffic(config: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro_batches: int,
+               traffic: Traffic) -> None:
+    """Expert parallelism's token exchange (see the module docstring), per step."""
+    ep = layout.ep
+    if ep == 1:
+        return
+    tokens = layout.micro_batch_size * seq_len // layout.cp
+    vectors = 2 if precision == "bf16" else FP32
+    forwards = 2 if layout.activation_checkpointing in ("moe", "full") else 1  # the recomputed MoE exchanges again
+    exchange = tokens * config.hidden_size * vectors * (ep - 1) / ep  # one all_to_all_single
+    counts = (ep - 1) * (config.num_experts // ep) * INT64
+    per_layer = (2 * forwards + 2) * exchange + forwards * counts  # dispatch and combine, each way
+    traffic.add("experts", micro_batches * config.num_hidden_layers * per_layer)
 
 
 def muon_traffic(config: ZayaConfig, layout: Layout, ns_dtype: str, traffic: Traffic) -> None:
@@ -77,7 +132,7 @@ def muon_traffic(config: ZayaConfig, layout: Layout, ns_dtype: str, traffic: Tra
     if n * r == 1:
         return
     ns_bytes = 2 if ns_dtype in ("bfloat16", "bf16") else FP32
-    gathered, returned = _muon_bytes(inventory(config), n, r)
+    gathered, returned = _muon_bytes(inventory(config), n, r, layout.ep)
     traffic.add("muon_gather", gathered * FP32 / (n * r))
     traffic.add("muon_scatter", returned * ns_bytes / (n * r))
 
@@ -89,11 +144,8 @@ def cp_traffic(config: ZayaConfig, layout: Layout, seq_len: int, kernel: str, sh
         return
     c = config
     local = seq_len // cp
-    seq = SequenceLayout(seq_len, cp, sharding)
     halo_vector = (c.conv_padding * (c.query_latent + c.key_latent) + c.key_latent // 2) * FP32
-    # each segment's tail that a segment on another rank needs, forward and backward, averaged over ranks
-    sent_tails = sum(sum(split for rank2, split in enumerate(_halo_plan(seq, rank).send_splits) if rank2 != rank)
-                     for rank in range(cp)) / cp
+    sent_tails = _sent_tails(seq_len, cp, sharding)
     halo = sent_tails * layout.micro_batch_size * halo_vector  # one direction, one layer
     kv_shard = 2 * c.num_key_value_heads * c.head_dim * local * layout.micro_batch_size * FP32
     forward_passes = 2 if layout.activation_checkpointing == "full" else 1
@@ -104,6 +156,14 @@ def cp_traffic(config: ZayaConfig, layout: Layout, seq_len: int, kernel: str, sh
         traffic.add("cp_dkv", layers * kv_shard * (cp - 1))  # an all-to-all of cp - 1 shards of gradients
     else:
         traffic.add("cp_dkv", layers * (cp - 1) * kv_shard)  # each partial gradient hops cp - 1 times
+
+
+@functools.lru_cache(maxsize=256)
+def _sent_tails(seq_len: int, cp: int, sharding: str) -> float:
+    """Each segment's tail that a segment on another rank needs, averaged over the ranks."""
+    seq = SequenceLayout(seq_len, cp, sharding)
+    return sum(sum(split for rank2, split in enumerate(_halo_plan(seq, rank).send_splits) if rank2 != rank)
+               for rank in range(cp)) / cp
 
 
 def replicated_traffic(config: ZayaConfig, layout: Layout, traffic: Traffic) -> None:
@@ -119,27 +179,34 @@ def trainer_traffic(config: ZayaConfig, layout: Layout, traffic: Traffic) -> Non
     layers, routes = config.num_hidden_layers, config.num_experts + 1
     stats = (layers * routes + layers + 1 + 3 * world) * 8  # fp64, `Trainer._global_stats`
     traffic.add("trainer", 2 * stats * (world - 1) / world)
-    # the gradient norm: one fp32 all-reduce per process group of the parameters (the FSDP mesh)
-    n = layout.shard_ranks
-    if n > 1:
-        traffic.add("trainer", 2 * FP32 * (n - 1) / n)
+    # the gradient norm: one fp32 all-reduce per process group of the parameters (the FSDP mesh; with expert
+    # parallelism the experts' squares summed over their shards' group, then over the ep group that holds the
+    # other experts: `zaya.parallel.dtensor.total_norm`)
+    groups = (layout.shard_ranks, layout.expert_shard_ranks, layout.ep) if layout.ep > 1 else (layout.shard_ranks,)
+    for size in groups:
+        if size > 1:
+            traffic.add("trainer", 2 * FP32 * (size - 1) / size)
 
 
 @functools.lru_cache(maxsize=1024)
-def _muon_bytes(inv, n: int, r: int) -> tuple[float, float]:
+def _muon_bytes(inv, n: int, r: int, ep: int = 1) -> tuple[float, float]:
     """Elements sent, summed over the ranks of `r` replicas of `n` shards (`zaya.optim.distributed`): to the
     owners, every piece of a split matrix but the owner's, from the owner's replica only; back, every rank's
     part of every result but the owner's own, on every replica (a matrix a shard holds whole goes back to that
-    shard on the other replicas only)."""
+    shard on the other replicas only). With `ep` > 1 each of the ep groups of n / ep ranks that hold the same
+    experts does this for its 1/ep of each stack of experts."""
     gathered = returned = 0.0
-    for param in inv.params:
-        if not param.muon:
-            continue
-        if len(param.shape) == 3 and (n == 1 or shard_dim(param.shape, n) == 0):  # whole matrices per shard
-            returned += param.numel * (r - 1)
-        else:
-            gathered += param.numel * (n - 1) / n
-            returned += param.numel * (r - 1 / n)
+    for unit in inv.sharded_units(ep):
+        ranks, groups = unit.shard_ranks(n), unit.ep
+        for param in unit.params:
+            if not param.muon:
+                continue
+            numel = param.numel * groups
+            if len(param.shape) == 3 and (ranks == 1 or shard_dim(param.shape, ranks) == 0):  # whole matrices
+                returned += numel * (r - 1)
+            else:
+                gathered += numel * (ranks - 1) / ranks
+                returned += numel * (r - 1 / ranks)
     return gathered, returned
 
 
@@ -148,6 +215,7 @@ def step_traffic(config: ZayaConfig, layout: Layout, seq_len: int, precision: st
     """The bytes rank 0 sends in one optimizer step of `micro_batches` micro-batches per rank."""
     traffic = Traffic()
     fsdp_traffic(config, layout, precision, micro_batches, traffic)
+    ep_traffic(config, layout, seq_len, precision, micro_batches, traffic)
     muon_traffic(config, layout, ns_dtype, traffic)
     replicated_traffic(config, layout, traffic)
     cp_traffic(config, layout, seq_len, cp_kernel, cp_sharding, micro_batches, traffic)
