@@ -1,6 +1,6 @@
 """Expert parallelism: each rank keeps E/ep of a block's experts and the routed tokens travel to them.
 
-`shard_experts` replaces every block's `Experts` (on the meta device, before `parallelize`) by
+`shard_experts` replaces every block's `Experts` (before `parallelize`, usually on the meta device) by
 `ParallelExperts`, which holds rank k's experts [k L, (k + 1) L), L = E / ep, under the same parameter names.
 Its forward, for the N tokens of this rank (routes in 0..E, E the skip route):
 
@@ -103,8 +103,8 @@ class _Exchange(torch.autograd.Function):
 
 
 def shard_experts(model: Zaya, mesh: ExpertMesh, counter: CommCounter | None = None) -> Zaya:
-    """Give every block `ParallelExperts` in place of its experts (a model on the meta device, before
-    `parallelize`); returns the model."""
+    """Give every block `ParallelExperts` in place of its experts (before `parallelize`; on the meta device, or
+    with values: each rank keeps its experts' values); returns the model."""
     problem = experts_split_problem(model.config.num_experts, mesh.size)
     if problem:
         raise ZayaError(problem)

@@ -47,15 +47,13 @@ class ExpertMesh:
     one being `rank` among them (it holds experts [rank E/size, (rank + 1) E/size)). `fsdp_mesh`: what FSDP2
     shards those experts over, (dp_replicate, expert shards) or (expert shards,). `state_mesh`: the same ranks
     as (dp_replicate, ep, expert shards) or (ep, expert shards), on which a checkpoint sees each expert stack
-    whole ([E, ...], `zaya.parallel.experts.global_state`). `ranks`: dp_replicate x dp_shard x cp, what the
-    experts' gradients are averaged over (as every other gradient)."""
+    whole ([E, ...], `zaya.parallel.experts.global_state`)."""
 
     group: object
     size: int
     rank: int
     fsdp_mesh: DeviceMesh
     state_mesh: DeviceMesh
-    ranks: int
 
 
 @dataclass
@@ -182,7 +180,7 @@ def _expert_mesh(layout: torch.Tensor, ep: int, replicate_group, rank: int, back
                                           mesh_dim_names=("expert_shard",))
         state_mesh = DeviceMesh.from_group([ep_group, shard_group], device_type, mesh=experts[0].t(),
                                            mesh_dim_names=("ep", "expert_shard"))
-    return ExpertMesh(ep_group, ep, where[2], fsdp_mesh, state_mesh, layout.numel())
+    return ExpertMesh(ep_group, ep, where[2], fsdp_mesh, state_mesh)
 
 
 def _dimension_group(shape: tuple[int, ...], dim: int, rank: int, backend: str, timeout: datetime.timedelta):
