@@ -78,6 +78,7 @@ def _exchange_worker(rank: int, world: int, case: str, monkeypatch_tolist: bool)
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["spread", "one-rank", "stay-home"])
 def test_the_token_exchange_equals_every_expert_in_one_process(case):
     world = 2

@@ -1,7 +1,7 @@
 """Sharded training on gloo ranks (`zaya train` on the ranks of the session's pool): FSDP2, HSDP and expert
 parallelism train like one process, and a checkpoint written by every rank continues on another world size, mesh
-and expert layout (a chain: 1 -> 2 with ep 2 -> 3 ranks with uneven shards -> HSDP 2 x 2 with ep 2 -> ep 4 -> cp 2
-x ep 2, then a Hugging Face export; and 3 -> 2 with experts split along their rows), async saves hold their step's
+and expert layout (a chain: 2 ranks with ep 2 -> 3 ranks with uneven shards -> HSDP 2 x 2 with ep 2 -> ep 4 -> cp
+2 x ep 2, then a Hugging Face export; and 3 -> 2 with experts split along their rows), async saves hold their step's
 values; under torchrun, two agents form one job that survives a killed rank,
 and bad input stops every rank with one line."""
 
@@ -115,7 +115,7 @@ def _reference(root: Path, dataset: Path, steps: int, **sections) -> Path:
 @pytest.fixture(scope="module")
 def single(dataset, tmp_path_factory) -> Path:
     """The reference: the same run in one process."""
-    return _reference(tmp_path_factory.mktemp("single"), dataset, 12)
+    return _reference(tmp_path_factory.mktemp("single"), dataset, 10)
 
 
 def _shards_by_rank(directory: Path) -> dict[int, int]:
@@ -124,15 +124,14 @@ def _shards_by_rank(directory: Path) -> dict[int, int]:
 
 @pytest.mark.slow
 def test_a_checkpoint_chain_across_world_sizes_and_meshes_trains_like_one_process(dataset, tmp_path, single):
-    """Every link of a chain of checkpoints trains two steps as one process does: 1 rank -> 2 ranks with the
-    experts split over them (ep 2), ZeRO-2 -> 3 ranks with uneven shards -> HSDP 2 x 2 with ep 2, ZeRO-1 ->
+    """Every link of a chain of checkpoints trains two steps as one process does: 2 ranks with the experts split
+    over them (ep 2), ZeRO-2 -> 3 ranks with uneven shards -> HSDP 2 x 2 with ep 2, ZeRO-1 ->
     ep 4 with the MoE recomputed in backward -> cp 2 x ep 2 (each expert stack sharded over the 2 ranks that
     hold it); then a Hugging Face export. Each sharding mode and expert layout resumes in the others (ZeRO-2
     saves and loads the sharded parameters as full sharding does), and the experts are saved whole, keyed by
     expert, at every ep."""
     config, run = _config(tmp_path, dataset), tmp_path / "run"
-    chain = [(1, [], "full sharding; mesh dp_replicate 1 x dp_shard 1 x cp 1 ="),
-             (2, ["parallel.ep=2", "parallel.sharding=zero2"],
+    chain = [(2, ["parallel.ep=2", "parallel.sharding=zero2"],
               "zero2 sharding; mesh dp_replicate 1 x dp_shard 2 x cp 1 (experts over ep 2)"),
              (3, [], "full sharding; mesh dp_replicate 1 x dp_shard 3 x cp 1 ="),
              (4, ["parallel.dp_replicate=2", "parallel.ep=2", "parallel.sharding=zero1"],
@@ -150,8 +149,7 @@ def test_a_checkpoint_chain_across_world_sizes_and_meshes_trains_like_one_proces
         assert "timeouts: collectives 1800 s" in segment
         assert sum(out.count("done:") for _, out, _ in results) == 1  # rank 0 alone says it
         rows = [r for r in read_metrics(run) if r["step"] > steps - 2]
-        assert all(len(r["peak_memory_bytes"]) == nproc for r in rows)
-        assert nproc == 1 or all(min(r["comm_bytes"]) > 0 for r in rows)
+        assert all(len(r["peak_memory_bytes"]) == nproc and min(r["comm_bytes"]) > 0 for r in rows)
         _assert_same_training(run, single, range(steps - 1, steps + 1))
         metadata = ckpt.read_metadata(run / "checkpoints" / f"step_{steps:08d}")
         for key in ("model.blocks.0.moe.experts.gate_up_proj",
@@ -160,15 +158,15 @@ def test_a_checkpoint_chain_across_world_sizes_and_meshes_trains_like_one_proces
         written = nproc
     # rank 0 writes train.log and the metrics, every other rank a log of its own
     assert sorted(p.name for p in (run / "logs").iterdir()) == [f"rank-{r}.log" for r in range(1, 4)]
-    # the HSDP checkpoint of step 8 holds each shard rank's part of every tensor, once (the experts: each ep
+    # the HSDP checkpoint of step 6 holds each shard rank's part of every tensor, once (the experts: each ep
     # rank's)
-    metadata = ckpt.read_metadata(run / "checkpoints" / "step_00000008")
+    metadata = ckpt.read_metadata(run / "checkpoints" / "step_00000006")
     for key in ("model.blocks.0.attn.q_proj.weight", "model.blocks.0.moe.experts.gate_up_proj",
                 "optim..state.blocks.0.moe.experts.down_proj.momentum_buffer"):
         assert len(metadata.state_dict_metadata[key].chunks) == 2, key
-    shards = _shards_by_rank(run / "checkpoints" / "step_00000006")
+    shards = _shards_by_rank(run / "checkpoints" / "step_00000004")
     assert set(shards) == {0, 1, 2} and min(shards.values()) > 0.4 * max(shards.values())
-    _assert_same_training(run, single, range(1, 13))
+    _assert_same_training(run, single, range(1, 11))
 
     from transformers import AutoModelForCausalLM
 
@@ -182,10 +180,11 @@ def test_a_checkpoint_chain_across_world_sizes_and_meshes_trains_like_one_proces
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [3])
 def test_zaya1s_zero1_layout_trains_like_one_process(dataset, tmp_path, single, nproc):
-    """Six steps of 2 or 3 micro-batches per rank, from the start: the whole parameters kept on every rank and
-    gathered again after each update, the optimizer state and Newton-Schulz sharded."""
+    """Six steps of 2 micro-batches per rank on 3 ranks (uneven shards), from the start: the whole parameters
+    kept on every rank and gathered again after each update, the optimizer state and Newton-Schulz sharded (the
+    chain above takes ZeRO-1 under HSDP)."""
     config, run = _config(tmp_path, dataset), tmp_path / "run"
     _train(config, run, nproc, "parallel.sharding=zero1", "train.max_steps=6")
     assert f"zero1 sharding; mesh dp_replicate 1 x dp_shard {nproc}" in (run / "train.log").read_text()
