@@ -1,6 +1,6 @@
 """A stand-in for `zaya train` under the supervisor, for the tests of the supervisor's own decisions: it reads the
-supervisor's settings from its environment as `zaya train` does, writes the same heartbeats, and fails or stops
-the way it is told, in a fraction of a second (it imports no torch).
+supervisor's settings from its environment as `zaya train` does, writes the same heartbeats (as its torchrun rank,
+if any), and fails or stops the way it is told, in a fraction of a second (it imports no torch).
 
     python fake_trainer.py --steps 12 [--crash-at 4 --line "Xid ..."] [--stop-at 3] [--spoof-pid PID]
 
@@ -30,7 +30,7 @@ def main() -> int:
     parser.add_argument("--spoof-pid", type=int, default=None, help="write foreign heartbeats, then wait")
     args = parser.parse_args()
     directory = Supervision.from_environ(os.environ).heartbeat_dir
-    beat = Heartbeat(directory, rank=0)
+    beat = Heartbeat(directory, rank=int(os.environ.get("RANK", "0")))  # under torchrun, each rank its own
     beat("init", 0)
     if args.spoof_pid is not None:
         spoofed = {"rank": 1, "pid": args.spoof_pid, "section": "step", "step": 0, "time": time.time() - 1e4}
