@@ -57,13 +57,13 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     from zaya.optim.config import OptimConfig
     from zaya.optim.hybrid import build_optimizer
     from zaya.parallel.config import ParallelConfig, ParallelizeConfig
-    from zaya.parallel.dtensor import clip_grad_norm_, local, local_bytes
-    from zaya.parallel.experts import expert_span, finish_gradients, parallel_experts, whole_shapes
+    from zaya.parallel.dtensor import local, local_bytes
+    from zaya.parallel.experts import parallel_experts, whole_shapes
     from zaya.parallel.fsdp import (
         accumulate,
         fsdp_volume,
         parallelize,
-        reduce_replicated_gradients,
+        reduce_and_clip,
         refresh,
         replicated_parameters,
     )
@@ -87,7 +87,6 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
 
     for experts in parallel_experts(model):
         experts.register_forward_pre_hook(note_routes)
-    span = None if context.experts is None else lambda p: expert_span(p, context.experts)
     optimizer = build_optimizer(model, OptimConfig(ns_dtype=args.ns_dtype), comm=context.counter)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(rank)
@@ -101,11 +100,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss = model.loss(micro[:, :-1], micro[:, 1:])
             (loss * micro.shape[0] / ids.shape[0]).backward()
-        reduce_replicated_gradients(model, context.fsdp_mesh, context.counter)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if context.experts is not None:
-            finish_gradients(params, context.experts)
-        clip_grad_norm_(params, 1.0, spans=span)
+        reduce_and_clip(model, [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None],
+                        context, 1.0)
         forward_backward = context.counter.take()
         optimizer.step()
         muon = context.counter.take()

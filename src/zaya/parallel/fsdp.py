@@ -46,7 +46,7 @@ no communication for them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -60,9 +60,9 @@ from zaya.errors import ZayaError
 from zaya.model.transformer import Zaya
 from zaya.parallel.comm import CommCounter, all_reduce, count_fsdp
 from zaya.parallel.config import ACTIVATION_CHECKPOINTING, SHARDINGS, ParallelizeConfig
-from zaya.parallel.dtensor import slots_group
-from zaya.parallel.experts import ParallelExperts, shard_experts
-from zaya.parallel.mesh import ExpertMesh
+from zaya.parallel.dtensor import clip_grad_norm_, slots_group
+from zaya.parallel.experts import ParallelExperts, expert_span, finish_gradients, shard_experts
+from zaya.parallel.mesh import ExpertMesh, ParallelContext
 
 
 def shard_dim(shape: tuple[int, ...], ranks: int) -> int:
@@ -155,6 +155,19 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
             count_fsdp(unit.module, counter, replicas)
     register_fsdp_forward_method(model, "loss")
     return model
+
+
+def reduce_and_clip(model: Zaya, params: list[nn.Parameter], context: ParallelContext, max_norm: float,
+                    all_reduce: Callable[[torch.Tensor, object], None] | None = None) -> torch.Tensor:
+    """After the step's last backward: the replicated parameters' gradients averaged, the experts' made averages
+    over every data-parallel rank (expert parallelism), and `params` (the optimizer's: the shards) clipped to
+    a global norm of `max_norm` (0: measured only); returns the norm before clipping."""
+    reduce_replicated_gradients(model, context.fsdp_mesh, context.counter)
+    experts = context.experts
+    if experts is not None:
+        finish_gradients(params, experts)
+    spans = None if experts is None else functools.partial(expert_span, experts=experts)
+    return clip_grad_norm_(params, max_norm, all_reduce, spans)
 
 
 def _placement(param: nn.Parameter, ranks: int) -> Shard:

@@ -101,9 +101,7 @@ def measured_step(launch: Launch, preset: str, precision: str, seq_len: int, mic
     from zaya.optim.hybrid import build_optimizer
     from zaya.parallel.config import ParallelConfig, ParallelizeConfig
     from zaya.parallel.context import ContextParallel, SequenceLayout
-    from zaya.parallel.dtensor import clip_grad_norm_
-    from zaya.parallel.experts import expert_span, finish_gradients
-    from zaya.parallel.fsdp import parallelize, reduce_replicated_gradients
+    from zaya.parallel.fsdp import parallelize, reduce_and_clip
     from zaya.parallel.mesh import init_parallel
     from zaya.train.config import TrainSection
 
@@ -140,12 +138,8 @@ def measured_step(launch: Launch, preset: str, precision: str, seq_len: int, mic
                 if micro == 0:
                     result["activations"] = saved
                 (loss / micro_batches).backward()
-            reduce_replicated_gradients(model, context.fsdp_mesh, context.counter)
-            params = [p for p in model.parameters() if p.grad is not None]
-            if experts is not None:  # as the trainer does
-                finish_gradients(params, experts)
-            spans = None if experts is None else functools.partial(expert_span, experts=experts)
-            clip_grad_norm_(params, TrainSection.grad_clip, spans=spans)
+            reduce_and_clip(model, [p for p in model.parameters() if p.grad is not None], context,
+                            TrainSection.grad_clip)
             optimizer.step()
             times.append(time.perf_counter() - started)
             result["comm"] = context.counter.take()

@@ -55,9 +55,8 @@ from zaya.model.transformer import RouterStats, Zaya
 from zaya.optim.hybrid import build_optimizer, describe_param_groups
 from zaya.optim.schedule import set_lr_multiplier
 from zaya.parallel.comm import all_reduce
-from zaya.parallel.dtensor import clip_grad_norm_
-from zaya.parallel.experts import ExpertViews, expert_span, finish_gradients, whole_shapes
-from zaya.parallel.fsdp import accumulate, parallelize, reduce_replicated_gradients, refresh, release
+from zaya.parallel.experts import ExpertViews, whole_shapes
+from zaya.parallel.fsdp import accumulate, parallelize, reduce_and_clip, refresh, release
 from zaya.parallel.materialize import materialize
 from zaya.parallel.mesh import ParallelContext, init_parallel
 from zaya.resilience.findings import Finding
@@ -299,15 +298,10 @@ class Trainer:
                     loss = loss * scale
             (loss * (grad_factor * micro.shape[0] / rows)).backward()
             loss_sum += loss.detach().double() * micro.shape[0]
-        reduce_replicated_gradients(self.model, self.parallel.fsdp_mesh, self.parallel.counter)
         # the optimizer's: under ZeRO-1 the model's registered parameters are the whole gathered ones between
         # steps, and the reduced gradients are on the shards
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        experts = self.parallel.experts
-        if experts is not None:
-            finish_gradients(params, experts)
-        spans = None if experts is None else functools.partial(expert_span, experts=experts)
-        grad_norm = clip_grad_norm_(params, train.grad_clip, self._all_reduce, spans)
+        grad_norm = reduce_and_clip(self.model, params, self.parallel, train.grad_clip, self._all_reduce)
         lr_scale = self.stops.schedule().multiplier(step) * phase.lr_scale
         set_lr_multiplier(self.optimizer, lr_scale)
         reduced = self._reduce(routes, loss_sum, grad_norm, host_time)  # the step's one read of the device
