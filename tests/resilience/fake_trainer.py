@@ -1,6 +1,7 @@
 """A stand-in for `zaya train` under the supervisor, for the tests of the supervisor's own decisions: it reads the
 supervisor's settings from its environment as `zaya train` does, writes the same heartbeats (as its torchrun rank,
-if any), and fails or stops the way it is told, in a fraction of a second (it imports no torch).
+if any), and fails or stops the way it is told, in a fraction of a second (it imports no torch); on SIGTERM it
+stops after its step as `zaya train` does.
 
     python fake_trainer.py --steps 12 [--crash-at 4 --line "Xid ..."] [--stop-at 3] [--spoof-pid PID]
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -40,6 +42,8 @@ def main() -> int:
         while True:
             beat("step", 0)
             time.sleep(0.1)
+    signalled = []  # SIGTERM, as `zaya train` takes it: the step ends, a checkpoint, exit 75
+    signal.signal(signal.SIGTERM, lambda *_: signalled.append(True))
     for step in range(args.steps):
         beat("step", step)
         if step == args.crash_at:
@@ -47,9 +51,10 @@ def main() -> int:
             print("RuntimeError: injected crash", file=sys.stderr, flush=True)
             return 1
         time.sleep(0.02)
-        if step + 1 == args.stop_at:
+        if step + 1 == args.stop_at or signalled:
             beat("checkpoint_save", step + 1)
-            print(f"{STOPPED_LINE} {step + 1} (max_time_s); exit code {EXIT_PREEMPTED}: resubmit the same command",
+            why = "SIGTERM" if signalled else "max_time_s"
+            print(f"{STOPPED_LINE} {step + 1} ({why}); exit code {EXIT_PREEMPTED}: resubmit the same command",
                   flush=True)
             return EXIT_PREEMPTED
     beat("done", args.steps)
