@@ -132,17 +132,8 @@ def test_an_ecc_error_cordons_that_gpu_and_the_job_restarts_with_one_rank_fewer(
     node = os.uname().nodename
 
     def break_gpu_one():  # once both ranks of the first run are stepping
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                beats = [json.loads((state / "heartbeats" / node / "run-0" / f"rank-{r}.json").read_text())
-                         for r in range(2)]
-                if min(beat["step"] for beat in beats) >= 5:
-                    readings.write_text("0, 00000000:3B:00.0, 0, 0\n1, 00000000:5E:00.0, 2, 2\n")
-                    return
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
+        if _both_ranks_reach(state / "heartbeats" / node / "run-0", 5):
+            readings.write_text("0, 00000000:3B:00.0, 0, 0\n1, 00000000:5E:00.0, 2, 2\n")
 
     threading.Thread(target=break_gpu_one, daemon=True).start()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -156,6 +147,19 @@ def test_an_ecc_error_cordons_that_gpu_and_the_job_restarts_with_one_rank_fewer(
     assert "run 1: " in result.stdout and "--nproc-per-node=1" in result.stdout.split("run 1: ")[1].splitlines()[0]
     # the second run is one rank, on the GPU left
     assert sorted(p.name for p in (state / "heartbeats" / node / "run-1").iterdir()) == ["rank-0.json"]
+
+
+def _both_ranks_reach(beats: Path, step: int, timeout: float = 120.0) -> bool:
+    """Wait until the heartbeats of ranks 0 and 1 in `beats` (a run's directory) say `step` or later."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if min(json.loads((beats / f"rank-{r}.json").read_text())["step"] for r in range(2)) >= step:
+                return True
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    return False
 
 
 def _fake_trainer(*args: str) -> list[str]:
@@ -293,16 +297,7 @@ def test_a_stopped_supervisor_passes_the_signal_on_and_the_trainers_stop_with_a_
     supervisor = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                beats = [json.loads((state / "heartbeats" / node / "run-0" / f"rank-{r}.json").read_text())
-                         for r in range(2)]
-                if min(beat["step"] for beat in beats) >= 3:
-                    break
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
+        _both_ranks_reach(state / "heartbeats" / node / "run-0", 3)
         supervisor.send_signal(signal.SIGTERM)
         out, _ = supervisor.communicate(timeout=120)
     finally:
