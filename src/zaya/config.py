@@ -91,8 +91,7 @@ class RunConfig:
         the job fits). `precision` decides `train.precision = "auto"` ("bf16" or "fp32", as measured on the device
         or recorded by the run being resumed); in fp32 so chosen, Newton-Schulz runs in fp32 too: its bf16
         products would be as slow as the model's. `auto_compile` is what `train.compile = "auto"` becomes
-        (`zaya.device.compiles_training`; the planner plans accelerators, where it is on), without expert
-        parallelism."""
+        (`zaya.device.compiles_training`; the planner plans accelerators, where it is on)."""
         precision = precision or self.train.precision
         if precision not in ("bf16", "fp32"):
             raise ZayaError(f"{self.source}: train.precision = {self.train.precision!r} needs a decision "
@@ -100,8 +99,6 @@ class RunConfig:
         optim = self.optim
         if self.train.precision == "auto" and precision == "fp32":
             optim = dataclasses.replace(optim, ns_dtype="float32")
-        # the token exchange of expert parallelism reads its split sizes on the host: no whole-block graph
-        auto_compile = auto_compile and self.parallel.ep == 1
         compile_ = auto_compile if self.train.compile == "auto" else self.train.compile
         train = dataclasses.replace(self.train, precision=precision, compile=compile_)
         resolved = dataclasses.replace(self, train=train, optim=optim)

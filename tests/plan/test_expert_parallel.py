@@ -142,15 +142,14 @@ def test_the_search_weighs_every_ep_the_experts_and_the_mesh_allow(model):
     assert {layout.ep for layout in options} == {1, 2, 4, 8, 16}
     assert all(layout.dp_shard * layout.cp % layout.ep == 0 for layout in options)
     assert {layout.ep for layout in options if layout.dp_replicate == 8} == {1, 2, 4, 8}  # 8 shards per replica
-    # blocks with expert parallelism run eagerly (the runtime compiles none), and the line that applies says so
-    assert all(not layout.compiled for layout in options if layout.ep > 1)
-    assert any(layout.compiled for layout in options if layout.ep == 1)
+    # compiled as the config says at every ep (with ep > 1 the runtime compiles around the experts)
+    assert run.train.compile and all(layout.compiled for layout in options)
     # the layout of ZAYA1-base's config on 64 H100 fits with its experts over 8 ranks, not without
     config_layout = Layout(64, 8, 1, 64, 1, 1, "none", compiled=False, sharding="zero2")
     unsplit, split = (evaluate(run, dataclasses.replace(config_layout, ep=ep), get_device("h100")) for ep in (1, 8))
     assert "needs" in unsplit.reason and not split.reason
     assert "ep  8" in describe(split) and split.plan.first.traffic.by_kind["experts"] > 0
-    assert split.layout.settings()[-2:] == ["train.activation_checkpointing=none", "train.compile=false"]
+    assert split.layout.settings()[-1] == "train.activation_checkpointing=none"
 
 
 @pytest.mark.parametrize(("ep", "message"), [
@@ -167,10 +166,10 @@ def test_an_ep_that_splits_not_the_experts_or_the_mesh_is_refused_in_one_line(ca
     assert candidate.plan is None and message in candidate.reason
 
 
-def test_a_compiled_layout_with_ep_is_refused_as_the_runtime_refuses_it():
+def test_a_compiled_layout_with_ep_is_planned_as_the_runtime_compiles_it():
     run = load_config(BASE).resolve(64)
     candidate = evaluate(run, Layout(64, 8, 1, 64, 1, 1, "none", compiled=True, ep=8), get_device("h100"))
-    assert candidate.plan is None and "parallel.ep = 8 needs train.compile = false" in candidate.reason
-    # "auto" compiles no blocks with ep > 1: the config's own layout plans eagerly
+    assert candidate.plan is not None and not candidate.reason
+    # "auto" compiles on accelerators at any ep: the config's own layout plans compiled
     planned = plan_run(load_config(BASE, ["parallel.ep=8"]).resolve(64), get_device("h100"))
-    assert planned.first.layout.ep == 8 and not planned.first.layout.compiled
+    assert planned.first.layout.ep == 8 and planned.first.layout.compiled

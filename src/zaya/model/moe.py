@@ -46,6 +46,11 @@ class Experts(nn.Module):
             if x_ND.shape[0] == 1:
                 return self._single(x_ND, expert_N, weight_N)
             return self.gathered(x_ND, expert_N, weight_N)
+        return _weighted(self.grouped(x_ND, expert_N), weight_N)
+
+    def grouped(self, x_ND: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
+        """Expert_{expert}(x) for every token, `expert` in 0..E-1, through the grouped matmuls (for any number
+        of tokens; nothing here waits on the host in a compiled graph)."""
         # cast before dispatching: under autocast the experts run in bf16, and half the bytes move
         x_ND = x_ND.to(autocast_dtype(x_ND.device) or x_ND.dtype)
         multiple = grouped_mm_row_multiple(x_ND.device, x_ND.dtype)
@@ -55,7 +60,7 @@ class Experts(nn.Module):
         h = matmul(x_grouped, self.gate_up_proj, sizes_E)
         gate, up = h.chunk(2, dim=-1)
         y_grouped = matmul(F.silu(gate) * up, self.down_proj, sizes_E)
-        return _weighted(_from_rows(y_grouped, row_N), weight_N)
+        return _from_rows(y_grouped, row_N)
 
     def gathered(self, x_ND: torch.Tensor, route_N: torch.Tensor, weight_N: torch.Tensor | None) -> torch.Tensor:
         """The same for few tokens (decoding): each token's expert weights gathered, one batched matmul per

@@ -14,7 +14,10 @@ Its forward, for the N tokens of this rank (routes in 0..E, E the skip route):
 The split sizes are read to the host once per layer (the counts and the received counts in one read); that is
 the layer's one host sync. The backward runs the same two exchanges in reverse (`_Exchange`). Only the routed
 tokens travel, in the autocast dtype (bf16 under bf16): per MoE layer and direction a rank sends
-rows x D x bytes, less what stays on it.
+rows x D x bytes, less what stays on it. Compiled (`zaya.parallel.fsdp.compile_around_experts`), the forward
+is one graph: the split sizes enter it as sizes it cannot know (bounded by `torch._check`), the exchanges are
+the traceable functional collectives (their backward the reverse exchange too), and no counter sees their
+bytes.
 
 The experts' gradients on a rank sum over the tokens of its whole expert group (they were routed there); FSDP2
 averages them over the ranks that hold the same experts, and `finish_gradients` divides by ep, so that they are
@@ -28,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -59,24 +63,39 @@ class ParallelExperts(Experts):
 
     def forward(self, x_ND: torch.Tensor, route_N: torch.Tensor, weight_N: torch.Tensor | None) -> torch.Tensor:
         ranks, experts, (N, D) = self.mesh.size, self.num_experts, x_ND.shape
+        compiling = torch.compiler.is_compiling()
         x_ND = x_ND.to(autocast_dtype(x_ND.device) or x_ND.dtype)  # half the bytes travel under bf16
         order_N = torch.argsort(route_N, stable=True)  # by expert; the skip route (E) last
         counts = expert_counts(route_N, self.total + 1)[:self.total]
-        received = torch.empty_like(counts)
-        all_to_all_single(received, counts, [experts] * ranks, [experts] * ranks, self.mesh.group, self.counter,
-                          KIND)
+        if compiling:
+            received = funcol.all_to_all_single(counts, [experts] * ranks, [experts] * ranks, self.mesh.group)
+        else:
+            received = torch.empty_like(counts)
+            all_to_all_single(received, counts, [experts] * ranks, [experts] * ranks, self.mesh.group,
+                              self.counter, KIND)
         sizes = torch.cat([counts.view(ranks, experts).sum(1), received]).tolist()  # the layer's one host read
+        for size in sizes:  # in a graph, sizes it cannot know: what they are bounded by
+            torch._check(size >= 0)
         send, from_each = sizes[:ranks], sizes[ranks:]
         receive = [sum(from_each[p * experts:(p + 1) * experts]) for p in range(ranks)]
+        torch._check(sum(send) <= N)
         sent = order_N[:sum(send)]
-        x_recv = _Exchange.apply(x_ND.index_select(0, sent), receive, send, self)
+        x_recv = self._exchange_rows(x_ND.index_select(0, sent), receive, send, compiling)
         # the received rows come by sender, then by expert: each row's local expert
         local = torch.arange(experts, device=x_ND.device).repeat(ranks)
         expert_R = torch.repeat_interleave(local, received, output_size=x_recv.shape[0])
-        y_recv = super().forward(x_recv, expert_R, None)
-        y_sent = _Exchange.apply(y_recv, send, receive, self)
+        # a graph takes the grouped matmuls for any number of rows; eagerly few rows may take another way
+        y_recv = self.grouped(x_recv, expert_R) if compiling else super().forward(x_recv, expert_R, None)
+        y_sent = self._exchange_rows(y_recv, send, receive, compiling)
         y_ND = y_sent.new_zeros(N, D).index_copy(0, sent, y_sent)
         return y_ND if weight_N is None else y_ND * weight_N[:, None].to(y_ND.dtype)
+
+    def _exchange_rows(self, rows: torch.Tensor, output_splits: list, input_splits: list, compiling: bool):
+        """`rows` to the group's ranks and back in backward: eagerly counted (`_Exchange`); in a compiled graph
+        through the traceable functional collective, whose bytes no counter sees."""
+        if compiling:
+            return funcol.all_to_all_single_autograd(rows, output_splits, input_splits, self.mesh.group)
+        return _Exchange.apply(rows, output_splits, input_splits, self)
 
     def exchange(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
         """`rows` [sum(input_splits), D] to the group's ranks, `input_splits[p]` rows to rank p; returns the

@@ -16,7 +16,9 @@ routing decisions are discrete, and bf16 rounding of the router's weights flips 
 hold 0.3% of its parameters). No router is gathered, and their gradients are averaged over the data-parallel
 ranks in one all-reduce per step (`reduce_replicated_gradients`, after the last micro-batch) instead of a
 gathering and a reduction of 40 small units per micro-batch. A compiled block (`train.compile`: one graph,
-and FSDP's hooks are never traced, so no unit may nest in it) is then one bf16 unit like an eager one.
+and FSDP's hooks are never traced, so no unit may nest in it) is then one bf16 unit like an eager one; with
+expert parallelism, whose experts are a unit inside the block, the block compiles around them
+(`compile_around_experts`).
 
 Mixed precision (`train.precision = "bf16"`): the blocks' parameters are all-gathered and used in bf16, the
 root's too unless `fp32_logits` (so that the tied LM head runs in fp32 as in one process) keeps it fp32;
@@ -118,10 +120,11 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
     split over its groups first (`zaya.parallel.experts.shard_experts`) and each is a unit of its own, sharded
     over `experts.fsdp_mesh`."""
     if experts is not None:
-        if config.compile:
-            raise ZayaError("train.compile does not yet take parallel.ep > 1: the token exchange reads its split "
-                            "sizes on the host, which a whole-block graph cannot; set train.compile = false")
         shard_experts(model, experts, counter)
+        if config.compile:
+            # the token exchange's split sizes, read on the host, enter the block's graph as sizes it cannot know
+            # (bounded by `torch._check`) instead of breaking it
+            torch._dynamo.config.capture_scalar_outputs = True
     if config.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ZayaError(f"activation checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got "
                         f"{config.activation_checkpointing!r}")
@@ -132,10 +135,12 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
             recompute_in_backward(block)
         elif config.activation_checkpointing == "moe":
             recompute_in_backward(block.moe)
-        if config.compile:
+        if config.compile and experts is None:
             # one graph per block, and the same code for every block past the first (its router has no EDA
             # state): the block's parameters are graph inputs, and nothing in it reads its index
             block.compile(fullgraph=True)
+        elif config.compile:
+            compile_around_experts(block)
     bf16 = config.bf16
     replicated = set(replicated_parameters(model))
     for unit in fsdp_units(model):
@@ -155,6 +160,20 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
             count_fsdp(unit.module, counter, replicas)
     register_fsdp_forward_method(model, "loss")
     return model
+
+
+SUBLAYERS_AROUND_EXPERTS = ("attn_norm", "attn", "attn_residual", "moe_norm", "moe.router", "moe_residual")
+
+
+def compile_around_experts(block: nn.Module) -> None:
+    """`train.compile` for a block whose experts are an FSDP unit of their own (expert parallelism): FSDP2 keeps
+    its hooks out of any graph, so no graph may hold the experts' call. Each sublayer around them is a graph of
+    its own, and the experts' forward (the token exchange and the grouped matmuls, between the hooks) is one
+    more; what joins them (the routes' weights, the skip route) runs eagerly."""
+    for name in SUBLAYERS_AROUND_EXPERTS:
+        block.get_submodule(name).compile(fullgraph=True)
+    experts = block.moe.experts
+    experts.forward = torch.compile(experts.forward, fullgraph=True)
 
 
 def reduce_and_clip(model: Zaya, params: list[nn.Parameter], context: ParallelContext, max_norm: float,

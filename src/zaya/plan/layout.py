@@ -63,14 +63,13 @@ class Layout:
                 f"activation checkpointing {self.activation_checkpointing}")
 
     def settings(self) -> list[str]:
-        """The `--set` overrides that give a run this layout (with `train.compile` as it is, but off with
-        expert parallelism, which runs its blocks eagerly: `expert_parallel_problem`). dp_shard is left to fill
-        the GPUs (-1), as the planner fills it for a phase with a cp of its own."""
+        """The `--set` overrides that give a run this layout (with `train.compile` as it is). dp_shard is left to
+        fill the GPUs (-1), as the planner fills it for a phase with a cp of its own."""
         settings = [f"parallel.dp_replicate={self.dp_replicate}", "parallel.dp_shard=-1",
                     f"parallel.cp={self.cp}", f"parallel.ep={self.ep}", f"parallel.sharding={self.sharding}",
                     f"train.micro_batch_size={self.micro_batch_size}",
                     f"train.activation_checkpointing={self.activation_checkpointing}"]
-        return settings + (["train.compile=false"] if self.ep > 1 else [])
+        return settings
 
 
 def check_batch(global_batch: int, layout: Layout, what: str, source: str) -> None:
@@ -84,12 +83,8 @@ def check_batch(global_batch: int, layout: Layout, what: str, source: str) -> No
 
 def expert_parallel_problem(num_experts: int, layout: Layout) -> str | None:
     """What keeps `layout`'s expert parallelism from running (None if nothing): the rules
-    `zaya.parallel.config` holds a run's `[parallel]` to, for a layout the search made, and
-    `zaya.parallel.fsdp.parallelize`'s: no compiled blocks with ep > 1 (the token exchange reads its split sizes
-    on the host, which a whole-block graph cannot)."""
+    `zaya.parallel.config` holds a run's `[parallel]` to, for a layout the search made."""
     if layout.shard_ranks % layout.ep:
         return (f"parallel.ep = {layout.ep} does not divide dp_shard x cp = {layout.dp_shard} x {layout.cp} = "
                 f"{layout.shard_ranks}")
-    if layout.ep > 1 and layout.compiled:
-        return f"parallel.ep = {layout.ep} needs train.compile = false (blocks with expert parallelism run eagerly)"
     return experts_split_problem(num_experts, layout.ep)

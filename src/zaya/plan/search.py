@@ -51,7 +51,7 @@ def layouts(run: ResolvedRun, gpus_per_node: int) -> list[Layout]:
             per_rank = batch // (replicate * shard) if batch % (replicate * shard) == 0 else 0
             micro_batches = [m for m in _divisors(per_rank) if m <= MAX_MICRO_BATCH] if per_rank else [1]
             for ep in expert_parallel_sizes(run.model.num_experts, shard * cp):
-                compiled = bool(run.train.compile) and ep == 1  # expert parallelism runs eagerly
+                compiled = bool(run.train.compile)
                 for micro in micro_batches:
                     for mode in MODES:
                         for sharding in SHARDINGS:
@@ -103,7 +103,7 @@ def leanest(run: ResolvedRun, gpus_per_node: int) -> Layout:
     gpus, cp = run.world_size, run.parallel.cp
     cp = cp if gpus % cp == 0 else 1
     ep = max(expert_parallel_sizes(run.model.num_experts, gpus))
-    return Layout(gpus, gpus_per_node, 1, gpus // cp, cp, 1, "full", bool(run.train.compile) and ep == 1, ep=ep)
+    return Layout(gpus, gpus_per_node, 1, gpus // cp, cp, 1, "full", bool(run.train.compile), ep=ep)
 
 
 def smallest_fit(config: RunConfig, precision: str, device: DeviceSpec, gpus_per_node: int,

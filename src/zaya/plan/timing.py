@@ -27,7 +27,8 @@ family through forward and backward (`op_counts`): all of them, the library call
 grouped GEMMs, attention, sorts, scatters: what a compiler calls rather than generates) and the ops that read
 the device back (`.item()`, `nonzero`, `bincount`, ...). Eager, every operator is issued from the host;
 compiled (`train.compile`), a block issues its library calls and about one fused kernel between each two, and
-each of its graphs costs one call. The trainer reads the device `HOST_READS_PER_STEP` times a step.
+each of its graphs costs one call (a block is one graph, or with ep > 1 one per sublayer around the experts
+and one for them). The trainer reads the device `HOST_READS_PER_STEP` times a step.
 
 Overlap, as the code does it: FSDP2 prefetches the next block's all-gather and reduce-scatters the previous
 block's gradients while a block computes, so FSDP and HSDP traffic is exposed only beyond the compute of the
@@ -55,7 +56,7 @@ from typing import Protocol
 
 from zaya.device import default_accelerator, launches_overlap_compute
 from zaya.model.config import ZayaConfig
-from zaya.parallel.fsdp import collectives_per_step, gathers_per_micro_batch
+from zaya.parallel.fsdp import SUBLAYERS_AROUND_EXPERTS, collectives_per_step, gathers_per_micro_batch
 from zaya.plan.layout import Layout
 from zaya.plan.memory import GPU_DETAILS, DeviceDetails, activation_bytes, row_padding
 from zaya.plan.traffic import DIMENSIONS, Traffic
@@ -280,10 +281,13 @@ def host_seconds(c: ZayaConfig, layout: Layout, micro_batches: int, op_overhead_
     ops, L = op_counts(c), c.num_hidden_layers
     recomputed = {"none": 0.0, "moe": 0.25, "full": 0.5}[layout.activation_checkpointing] * L
     if layout.compiled:
-        # a library call and about one fused kernel between each two; each block a forward and a backward graph
-        per_block = 2 * ops.lib_calls_per_block + 1
+        # a library call and about one fused kernel between each two; a block is a forward and a backward graph,
+        # or with ep > 1 one of each per sublayer and one for the experts (`compile_around_experts`), each with
+        # a kernel more at its edge
+        graphs = 1 if layout.ep == 1 else len(SUBLAYERS_AROUND_EXPERTS) + 1
+        per_block = 2 * ops.lib_calls_per_block + graphs
         issued = micro_batches * (per_block * (L + recomputed) + ops.outside) * op_overhead_s
-        issued += micro_batches * 2 * L * GRAPH_CALL_S
+        issued += micro_batches * 2 * L * graphs * GRAPH_CALL_S
     else:
         issued = micro_batches * (ops.per_block * (L + recomputed) + ops.outside) * op_overhead_s
     reads = micro_batches * (ops.syncs_per_block * L + ops.syncs_outside) + HOST_READS_PER_STEP

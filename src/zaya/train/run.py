@@ -63,9 +63,6 @@ class ResolvedRun:
         problem = experts_split_problem(self.model.num_experts, self.parallel.ep)
         if problem:
             raise ZayaError(f"{self.source}: key 'parallel.ep': {problem}")
-        if self.train.compile and self.parallel.ep > 1:
-            raise ZayaError(f"{self.source}: key 'train.compile': compiled blocks do not yet take parallel.ep > 1 "
-                            "(the token exchange reads its split sizes on the host); set it to false or \"auto\"")
         cp = shape.cp
         for size in self.ramp.sizes():
             if size % shape.dp:
