@@ -249,6 +249,25 @@ def zaya_on_rank(rank: int, world_size: int, args: Sequence[str]) -> tuple[int, 
     return zaya_command(args)
 
 
+def zaya_compiled_on_rank(rank: int, world_size: int, args: Sequence[str]) -> tuple[int, str, str, dict]:
+    """`zaya_on_rank`, with what the run compiles compiled through AOT autograd without generating code
+    (`aot_eager`: every graph traced as inductor would get it, without a C++ build): (exit code, stdout, stderr,
+    {"functions": the qualified names handed to `torch.compile`, "graphs": the graphs the compiler made})."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    compile_, names = torch.compile, []
+
+    def compile_aot_eager(fn, **options):
+        names.append(fn.__qualname__)
+        return compile_(fn, **{**options, "backend": "aot_eager"})
+
+    torch.compile = compile_aot_eager  # the rank is a fork of its own: nothing else sees it
+    counters.clear()
+    code, out, err = zaya_on_rank(rank, world_size, args)
+    return code, out, err, {"functions": names, "graphs": counters["stats"]["unique_graphs"]}
+
+
 def zaya_ranks(args: Sequence[str], world_size: int, *, timeout: float = 300.0,
                env: dict[str, str] | None = None) -> list[tuple[int, str, str]]:
     """`zaya_on_rank` on `world_size` ranks of the pool: each rank's (exit code, stdout, stderr)."""

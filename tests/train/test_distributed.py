@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import zaya
-from ranks import free_port, run_command, run_distributed, torchrun, zaya_on_rank, zaya_train
+from ranks import free_port, run_command, run_distributed, torchrun, zaya_compiled_on_rank, zaya_on_rank, zaya_train
 from runs import write_config
 from zaya import checkpoint as ckpt
 from zaya.config import load_config
@@ -273,25 +273,6 @@ def test_experts_that_do_not_split_over_ep_are_one_line(dataset, tmp_path):
         config.resolve(4).check_job()
 
 
-def _compiled_train(rank: int, world_size: int, args: list[str]) -> tuple[int, str, str, dict]:
-    """`zaya train ARGS` on this rank, compiling through AOT autograd without generating code (`aot_eager`):
-    (exit code, stdout, stderr, what was compiled: the functions handed to the compiler, its graphs)."""
-    from torch._dynamo.utils import counters
-
-    from runs import zaya_command
-
-    compile_, names = torch.compile, []
-
-    def compile_aot_eager(fn, **options):
-        names.append(fn.__qualname__)
-        return compile_(fn, **{**options, "backend": "aot_eager"})
-
-    torch.compile = compile_aot_eager
-    counters.clear()
-    code, out, err = zaya_command(args)
-    return code, out, err, {"functions": names, "graphs": counters["stats"]["unique_graphs"]}
-
-
 @pytest.mark.slow
 def test_compiled_blocks_with_expert_parallelism_and_async_saves_train_like_one_process(dataset, tmp_path, single):
     """With ep 2 a block compiles around its experts (an FSDP unit of their own, whose hooks no graph holds):
@@ -299,7 +280,7 @@ def test_compiled_blocks_with_expert_parallelism_and_async_saves_train_like_one_
     enter the graph as sizes it cannot know); two ranks train as one process does. The checkpoints are saved
     asynchronously: the one of step 2, written while steps 3 and 4 train, holds step 2's values."""
     config, run = _config(tmp_path, dataset), tmp_path / "run"
-    results = run_distributed(_compiled_train, 2, ["train", str(config), "--run-dir", str(run), "--set",
+    results = run_distributed(zaya_compiled_on_rank, 2, ["train", str(config), "--run-dir", str(run), "--set",
                                                    "parallel.ep=2", "--set", "train.max_steps=4", "--set",
                                                    "train.compile=true", "--set", "checkpoint.async_save=true"])
     blocks = zaya.get_preset("micro").num_hidden_layers  # write_config's model

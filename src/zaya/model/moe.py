@@ -179,8 +179,16 @@ class _FromRows(torch.autograd.Function):
 
 
 def _scatter_rows(x: torch.Tensor, row: torch.Tensor, rows: int) -> torch.Tensor:
-    out = x.new_empty(rows, x.shape[1]) if rows == x.shape[0] else x.new_zeros(rows, x.shape[1])
-    return out.index_copy_(0, row, x)  # with as many rows as tokens, row is a permutation: all are written
+    # with as many rows as tokens, row is a permutation: all are written, and no zeros are needed. In a graph
+    # whose token count is a size it cannot know (expert parallelism's received rows) and padded groups, that
+    # equality may be undecidable: then the zeros
+    whole = rows == x.shape[0]
+    if torch.compiler.is_compiling():
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        whole = statically_known_true(whole)
+    out = x.new_empty(rows, x.shape[1]) if whole else x.new_zeros(rows, x.shape[1])
+    return out.index_copy_(0, row, x)
 
 
 def _to_rows(x: torch.Tensor, row: torch.Tensor, rows: int) -> torch.Tensor:

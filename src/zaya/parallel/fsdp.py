@@ -113,12 +113,14 @@ def unit_parameters(model: Zaya) -> list[tuple[Unit, list[nn.Parameter]]]:
 
 
 def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counter: CommCounter | None = None,
-                experts: ExpertMesh | None = None) -> Zaya:
+                experts: ExpertMesh | None = None, *, context_parallel: bool = False) -> Zaya:
     """Apply `config`'s activation checkpointing, compilation and mixed precision and FSDP2 to `model`, in place;
     returns it. `mesh` is `ParallelContext.fsdp_mesh`: one dimension (the shards), or two (replicas, shards:
     HSDP). `counter` counts the bytes FSDP sends. With `experts` (expert parallelism) the blocks' experts are
     split over its groups first (`zaya.parallel.experts.shard_experts`) and each is a unit of its own, sharded
-    over `experts.fsdp_mesh`."""
+    over `experts.fsdp_mesh`. `context_parallel`: the blocks will see sequences split over ranks, whose
+    exchanges (the convolutions' halo, attention over the whole sequence) run eagerly between the graphs of a
+    compiled attention (`CONTEXT_PARALLEL_BREAKS`)."""
     if experts is not None:
         shard_experts(model, experts, counter)
         if config.compile:
@@ -138,9 +140,9 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
         if config.compile and experts is None:
             # one graph per block, and the same code for every block past the first (its router has no EDA
             # state): the block's parameters are graph inputs, and nothing in it reads its index
-            block.compile(fullgraph=True)
+            block.compile(fullgraph=not context_parallel)
         elif config.compile:
-            compile_around_experts(block)
+            compile_around_experts(block, context_parallel)
     bf16 = config.bf16
     replicated = set(replicated_parameters(model))
     for unit in fsdp_units(model):
@@ -163,15 +165,19 @@ def parallelize(model: Zaya, mesh: DeviceMesh, config: ParallelizeConfig, counte
 
 
 SUBLAYERS_AROUND_EXPERTS = ("attn_norm", "attn", "attn_residual", "moe_norm", "moe.router", "moe_residual")
+# the calls a compiled attention makes eagerly under context parallelism (`torch.compiler.disable`: collectives
+# inside), each a break between two of its graphs: the convolutions' halo and the attention over the sequence
+CONTEXT_PARALLEL_BREAKS = 2
 
 
-def compile_around_experts(block: nn.Module) -> None:
+def compile_around_experts(block: nn.Module, context_parallel: bool = False) -> None:
     """`train.compile` for a block whose experts are an FSDP unit of their own (expert parallelism): FSDP2 keeps
     its hooks out of any graph, so no graph may hold the experts' call. Each sublayer around them is a graph of
-    its own, and the experts' forward (the token exchange and the grouped matmuls, between the hooks) is one
-    more; what joins them (the routes' weights, the skip route) runs eagerly."""
+    its own (attention, under context parallelism, several: `CONTEXT_PARALLEL_BREAKS`), and the experts'
+    forward (the token exchange and the grouped matmuls, between the hooks) is one more; what joins them (the
+    routes' weights, the skip route) runs eagerly."""
     for name in SUBLAYERS_AROUND_EXPERTS:
-        block.get_submodule(name).compile(fullgraph=True)
+        block.get_submodule(name).compile(fullgraph=not (context_parallel and name == "attn"))
     experts = block.moe.experts
     experts.forward = torch.compile(experts.forward, fullgraph=True)
 

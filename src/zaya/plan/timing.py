@@ -28,7 +28,8 @@ grouped GEMMs, attention, sorts, scatters: what a compiler calls rather than gen
 the device back (`.item()`, `nonzero`, `bincount`, ...). Eager, every operator is issued from the host;
 compiled (`train.compile`), a block issues its library calls and about one fused kernel between each two, and
 each of its graphs costs one call (a block is one graph, or with ep > 1 one per sublayer around the experts
-and one for them). The trainer reads the device `HOST_READS_PER_STEP` times a step.
+and one for them; with cp > 1 its attention breaks where the exchanges run eagerly). The trainer reads the
+device `HOST_READS_PER_STEP` times a step.
 
 Overlap, as the code does it: FSDP2 prefetches the next block's all-gather and reduce-scatters the previous
 block's gradients while a block computes, so FSDP and HSDP traffic is exposed only beyond the compute of the
@@ -56,7 +57,12 @@ from typing import Protocol
 
 from zaya.device import default_accelerator, launches_overlap_compute
 from zaya.model.config import ZayaConfig
-from zaya.parallel.fsdp import SUBLAYERS_AROUND_EXPERTS, collectives_per_step, gathers_per_micro_batch
+from zaya.parallel.fsdp import (
+    CONTEXT_PARALLEL_BREAKS,
+    SUBLAYERS_AROUND_EXPERTS,
+    collectives_per_step,
+    gathers_per_micro_batch,
+)
 from zaya.plan.layout import Layout
 from zaya.plan.memory import GPU_DETAILS, DeviceDetails, activation_bytes, row_padding
 from zaya.plan.traffic import DIMENSIONS, Traffic
@@ -282,9 +288,10 @@ def host_seconds(c: ZayaConfig, layout: Layout, micro_batches: int, op_overhead_
     recomputed = {"none": 0.0, "moe": 0.25, "full": 0.5}[layout.activation_checkpointing] * L
     if layout.compiled:
         # a library call and about one fused kernel between each two; a block is a forward and a backward graph,
-        # or with ep > 1 one of each per sublayer and one for the experts (`compile_around_experts`), each with
-        # a kernel more at its edge
+        # or with ep > 1 one of each per sublayer and one for the experts (`compile_around_experts`), and with
+        # cp > 1 its attention breaks where the exchanges run eagerly; each graph a kernel more at its edge
         graphs = 1 if layout.ep == 1 else len(SUBLAYERS_AROUND_EXPERTS) + 1
+        graphs += CONTEXT_PARALLEL_BREAKS if layout.cp > 1 else 0
         per_block = 2 * ops.lib_calls_per_block + graphs
         issued = micro_batches * (per_block * (L + recomputed) + ops.outside) * op_overhead_s
         issued += micro_batches * 2 * L * graphs * GRAPH_CALL_S

@@ -128,7 +128,8 @@ class Trainer:
         with torch.device("meta"):
             model = Zaya(self.config.model)  # no rank ever holds the whole model: its shards are made in place
         experts = self.parallel.experts
-        model = parallelize(model, self.parallel.fsdp_mesh, self.config.parallelize, self.parallel.counter, experts)
+        model = parallelize(model, self.parallel.fsdp_mesh, self.config.parallelize, self.parallel.counter, experts,
+                            context_parallel=self.parallel.cp_size > 1)
         self.model = materialize(model, self.device, self.config.train.seed, whole_shapes(model))
         self.views = None if experts is None else ExpertViews.of(self.model, experts)
         if self.resume_from is None and self.setup.init_from is not None:
