@@ -1,8 +1,9 @@
 """`train.compile`: every block compiles to one graph (`fullgraph=True`), forward and backward, and the blocks
 share their code whatever the depth: block 0 (no previous router state) and the others are the only two
-graphs. Traced here through AOT autograd with fake tensors (the `aot_eager` backend: what inductor is handed,
-run without generating code); these replace a test that ran inductor's C++ code generation for one block (about
-a minute on two cores). `benchmarks/train_step.py` runs inductor on every block."""
+graphs (two more once the sequence length changes, for any length then). Traced here through AOT autograd
+with fake tensors (the `aot_eager` backend: what inductor is handed, run without generating code); these
+replace a test that ran inductor's C++ code generation for one block (about a minute on two cores).
+`benchmarks/train_step.py` runs inductor on every block."""
 
 import torch
 from torch._dynamo.utils import counters
@@ -49,6 +50,9 @@ def test_every_block_is_one_graph_and_the_blocks_share_two():
         block.compile(fullgraph=True, backend="aot_eager")
     _assert_same_training(eager, compiled, _batches(config, 2), True, 2e-2)
     assert counters["stats"]["unique_graphs"] == 2
+    # another sequence length (a phase's, an evaluation's): each graph is made again once, for any length
+    _assert_same_training(eager, compiled, _batches(config, 2, length=33), True, 2e-2)
+    assert counters["stats"]["unique_graphs"] == 4
     assert not counters["graph_break"]
 
 

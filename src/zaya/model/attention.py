@@ -310,9 +310,9 @@ class CompressedConvAttention(nn.Module):
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int) -> torch.Tensor:
     """Softmax attention of q [B, Hq, T, d] over k, v [B, Hk, past_len + T, d], causal in absolute positions."""
     T, S = q.shape[2], k.shape[2]
+    if T == 1:  # a branch, not `is_causal=T > 1`: in a graph of varying length T is symbolic, which the kernel
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # does not take; the branch guards on it
     if past_len == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
-    if T == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     allowed = torch.arange(S, device=q.device)[None, :] <= (past_len + torch.arange(T, device=q.device))[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
