@@ -278,8 +278,12 @@ def zaya_train(config: Path | str, run_dir: Path | str, world_size: int, *sets: 
                env: dict[str, str] | None = None) -> list[tuple[int, str, str]]:
     """`zaya train CONFIG --run-dir RUN_DIR --set KEY=VALUE ...` on `world_size` ranks of the pool: each rank's
     (exit code, stdout, stderr)."""
-    args = ["train", config, "--run-dir", run_dir, *(a for s in sets for a in ("--set", s))]
-    return zaya_ranks(args, world_size, timeout=timeout, env=env)
+    return zaya_ranks(train_args(config, run_dir, *sets), world_size, timeout=timeout, env=env)
+
+
+def train_args(config: Path | str, run_dir: Path | str, *sets: str) -> list[str]:
+    """`train CONFIG --run-dir RUN_DIR --set KEY=VALUE ...`, the arguments of `zaya train`."""
+    return [str(a) for a in ("train", config, "--run-dir", run_dir, *(a for s in sets for a in ("--set", s)))]
 
 
 def run_command(args: Sequence[str], *, timeout: float = 300.0, env: dict[str, str] | None = None,

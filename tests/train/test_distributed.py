@@ -18,7 +18,16 @@ import pytest
 import torch
 
 import zaya
-from ranks import free_port, run_command, run_distributed, torchrun, zaya_compiled_on_rank, zaya_on_rank, zaya_train
+from ranks import (
+    free_port,
+    run_command,
+    run_distributed,
+    torchrun,
+    train_args,
+    zaya_compiled_on_rank,
+    zaya_on_rank,
+    zaya_train,
+)
 from runs import write_config
 from zaya import checkpoint as ckpt
 from zaya.config import load_config
@@ -282,8 +291,7 @@ def test_compiled_blocks_with_context_and_expert_parallelism_train_like_one_proc
     step 2, written while steps 3 and 4 train, holds step 2's values."""
     config, run = _config(tmp_path, dataset), tmp_path / "run"
     sets = ["parallel.cp=2", "parallel.ep=2", "train.max_steps=4", "train.compile=true", "checkpoint.async_save=true"]
-    results = run_distributed(zaya_compiled_on_rank, 2, ["train", str(config), "--run-dir", str(run),
-                                                         *(a for s in sets for a in ("--set", s))])
+    results = run_distributed(zaya_compiled_on_rank, 2, train_args(config, run, *sets))
     blocks = zaya.get_preset("micro").num_hidden_layers  # write_config's model
     for rank, (code, _, err, compiled) in enumerate(results):
         assert code == 0, f"rank {rank}: {err[-6000:]}"

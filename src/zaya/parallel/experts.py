@@ -78,8 +78,9 @@ class ParallelExperts(Experts):
             torch._check(size >= 0)
         send, from_each = sizes[:ranks], sizes[ranks:]
         receive = [sum(from_each[p * experts:(p + 1) * experts]) for p in range(ranks)]
-        torch._check(sum(send) <= N)
-        sent = order_N[:sum(send)]
+        routed = sum(send)
+        torch._check(routed <= N)
+        sent = order_N[:routed]
         x_recv = self._exchange_rows(x_ND.index_select(0, sent), receive, send, compiling)
         # the received rows come by sender, then by expert: each row's local expert
         local = torch.arange(experts, device=x_ND.device).repeat(ranks)
