@@ -1,6 +1,7 @@
 """Expert parallelism's token exchange (`zaya.parallel.experts.ParallelExperts`) on gloo ranks against every
 expert in one process: outputs, input gradients and each rank's expert gradients; the bytes sent against the
-routes (skipped tokens never travel; a rank may send nothing or receive nothing); one host read per layer."""
+routes (skipped tokens never travel; a rank may send nothing or receive nothing); one host read per layer; the
+tokens that stay computed while the others travel, in forward and in backward."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zaya
 from host_syncs import HostSyncs
@@ -15,7 +17,7 @@ from ranks import run_distributed
 from zaya.model.moe import Experts
 from zaya.parallel.comm import CommCounter
 from zaya.parallel.config import ParallelConfig
-from zaya.parallel.experts import KIND, ParallelExperts
+from zaya.parallel.experts import KIND, ParallelExperts, _InFlight
 from zaya.parallel.launch import Launch
 from zaya.parallel.mesh import init_parallel
 
@@ -98,3 +100,73 @@ def test_the_token_exchange_equals_every_expert_in_one_process(case):
         assert results[1]["gate_up_grad"][0].abs().sum() == 0  # it received no token
     if case == "stay-home":
         assert all(r["sent"] == (world - 1) * (E // world) * 8 for r in results)  # no token travelled
+
+
+class _Order(TorchDispatchMode):
+    """The ops dispatched inside, in order, with "start" and "finish" where an exchange starts and ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.log.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+    def windows(self) -> list[list[str]]:
+        """The ops run while each exchange was in flight."""
+        out, current = [], None
+        for name in self.log:
+            if name == "start":
+                current = []
+            elif name == "finish":
+                out.append(current)
+                current = None
+            elif current is not None:
+                current.append(name)
+        return out
+
+
+def _overlap_worker(rank: int, world: int) -> dict:
+    context = init_parallel(ParallelConfig(ep=world), torch.device("cpu"), Launch.from_env(os.environ))
+    torch.manual_seed(0)
+    whole = Experts(zaya.get_preset("micro"))
+    torch.nn.init.normal_(whole.gate_up_proj, std=0.05)
+    torch.nn.init.normal_(whole.down_proj, std=0.05)
+    generator = torch.Generator().manual_seed(7 + rank)
+    route = torch.randint(0, E, (4 * TOKENS,), generator=generator)  # every rank keeps and sends some
+    x = torch.randn(4 * TOKENS, D, generator=generator)
+    start, finish = _InFlight.start, _InFlight.finish
+    windows, outputs = {}, {}
+    try:
+        for overlap in (True, False):
+            order = _Order()
+            _InFlight.start = lambda self, *a, log=order.log: (start(self, *a), log.append("start"))[0]
+            _InFlight.finish = lambda self, log=order.log: (log.append("finish"), finish(self))[1]
+            experts = ParallelExperts(whole, context.experts, overlap=overlap)
+            x_in = x.clone().requires_grad_()
+            with order:
+                y = experts(x_in, route, None)
+                y.square().sum().backward()
+            windows[overlap] = order.windows()
+            outputs[overlap] = (y.detach(), x_in.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
+    finally:
+        _InFlight.start, _InFlight.finish = start, finish
+    context.close()
+    return {"windows": windows, "outputs": outputs}
+
+
+@pytest.mark.slow
+def test_the_tokens_that_stay_are_computed_while_the_others_travel():
+    """Forward: half the rows for this rank's own experts run while the others go out, half while the outputs
+    come back; backward: the same halves' gradients while the gradients travel the other way. Without overlap
+    the same work gives the same values, and nothing runs while an exchange is in flight."""
+    for result in run_distributed(_overlap_worker, 2, timeout=120):
+        with_overlap, without = result["windows"][True], result["windows"][False]
+        assert len(with_overlap) == len(without) == 4  # two exchanges forward, two backward
+        for window in with_overlap:
+            assert any("mm" in name for name in window), with_overlap
+        for window in without:
+            assert not any("mm" in name for name in window), without
+        for ours, theirs in zip(*result["outputs"].values(), strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

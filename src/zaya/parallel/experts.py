@@ -48,21 +48,23 @@ KIND = "experts"  # the bytes the exchanges send, as the counter names them
 
 
 class ParallelExperts(Experts):
-    """Rank `mesh.rank`'s share of a block's `total` experts, and the token exchange (module docstring)."""
+    """Rank `mesh.rank`'s share of a block's `total` experts, and the token exchange (module docstring).
+    `overlap=False` waits for each exchange where it starts: the same work in the order without overlap, to
+    measure the overlap against (`benchmarks/ep_overlap.py`)."""
 
-    def __init__(self, whole: Experts, mesh: ExpertMesh, counter: CommCounter | None = None):
+    def __init__(self, whole: Experts, mesh: ExpertMesh, counter: CommCounter | None = None, overlap: bool = True):
         nn.Module.__init__(self)
         self.total = whole.num_experts
         self.num_experts = self.total // mesh.size
         self.first = mesh.rank * self.num_experts
-        self.mesh, self.counter = mesh, counter
+        self.mesh, self.counter, self.overlap = mesh, counter, overlap
         self.use_grouped_mm = whole.use_grouped_mm
         for name in ("gate_up_proj", "down_proj"):  # this rank's experts (on the meta device: their shapes)
             rows = getattr(whole, name).detach()[self.first:self.first + self.num_experts]
             setattr(self, name, nn.Parameter(rows.clone()))
 
     def forward(self, x_ND: torch.Tensor, route_N: torch.Tensor, weight_N: torch.Tensor | None) -> torch.Tensor:
-        ranks, experts, (N, D) = self.mesh.size, self.num_experts, x_ND.shape
+        ranks, experts, me, (N, D) = self.mesh.size, self.num_experts, self.mesh.rank, x_ND.shape
         compiling = torch.compiler.is_compiling()
         x_ND = x_ND.to(autocast_dtype(x_ND.device) or x_ND.dtype)  # half the bytes travel under bf16
         order_N = torch.argsort(route_N, stable=True)  # by expert; the skip route (E) last
@@ -78,48 +80,113 @@ class ParallelExperts(Experts):
             torch._check(size >= 0)
         send, from_each = sizes[:ranks], sizes[ranks:]
         receive = [sum(from_each[p * experts:(p + 1) * experts]) for p in range(ranks)]
-        routed = sum(send)
-        torch._check(routed <= N)
-        sent = order_N[:routed]
-        x_recv = self._exchange_rows(x_ND.index_select(0, sent), receive, send, compiling)
+        torch._check(sum(send) <= N)
+        # the tokens routed to this rank's own experts stay: half of them computed while the others travel
+        # out, half while their outputs travel back
+        by_rank = list(order_N[:sum(send)].split(send))
+        home, away = by_rank.pop(me), torch.cat(by_rank)
+        halves = [send[me] // 2, send[me] - send[me] // 2]
+        send[me] = receive[me] = 0
+        home_1, home_2 = home.split(halves)
+        expert_1, expert_2 = (route_N.index_select(0, home) - self.first).split(halves)
+
+        x_recv = self._send(x_ND.index_select(0, away), receive, send, compiling)
+        y_1 = self._home(x_ND, home_1, expert_1, compiling)
+        x_recv = _received(x_recv)
         # the received rows come by sender, then by expert: each row's local expert
+        others = received.view(ranks, experts) * (torch.arange(ranks, device=x_ND.device) != me)[:, None]
         local = torch.arange(experts, device=x_ND.device).repeat(ranks)
-        expert_R = torch.repeat_interleave(local, received, output_size=x_recv.shape[0])
-        # a graph takes the grouped matmuls for any number of rows; eagerly few rows may take another way
-        y_recv = self.grouped(x_recv, expert_R) if compiling else super().forward(x_recv, expert_R, None)
-        y_sent = self._exchange_rows(y_recv, send, receive, compiling)
-        y_ND = y_sent.new_zeros(N, D).index_copy(0, sent, y_sent)
+        expert_R = torch.repeat_interleave(local, others.view(-1), output_size=x_recv.shape[0])
+        y_away = self._send(self._run(x_recv, expert_R, compiling), send, receive, compiling)
+        y_2 = self._home(x_ND, home_2, expert_2, compiling)
+        y_away = _received(y_away)
+        y_ND = y_away.new_zeros(N, D).index_copy(0, torch.cat([home, away]), torch.cat([y_1, y_2, y_away]))
         return y_ND if weight_N is None else y_ND * weight_N[:, None].to(y_ND.dtype)
 
-    def _exchange_rows(self, rows: torch.Tensor, output_splits: list, input_splits: list, compiling: bool):
-        """`rows` to the group's ranks and back in backward: eagerly counted (`_Exchange`); in a compiled graph
-        through the traceable functional collective, whose bytes no counter sees."""
+    def _run(self, x_RD: torch.Tensor, expert_R: torch.Tensor, compiling: bool) -> torch.Tensor:
+        # a graph takes the grouped matmuls for any number of rows; eagerly few rows may take another way
+        return self.grouped(x_RD, expert_R) if compiling else super().forward(x_RD, expert_R, None)
+
+    def _home(self, x_ND: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, compiling: bool):
+        """The local experts' outputs for the tokens `token` that stay on this rank (none: nothing to run)."""
+        if not compiling and token.shape[0] == 0:
+            return x_ND.new_empty(0, x_ND.shape[1])
+        return self._run(x_ND.index_select(0, token), expert, compiling)
+
+    def _send(self, rows: torch.Tensor, output_splits: list, input_splits: list, compiling: bool):
+        """Start sending `rows` to the group's ranks (`input_splits[p]` rows to rank p; `output_splits[p]` come
+        from it); `_received` ends it. Eagerly an `_InFlight` pair of autograd functions, counted; in a graph
+        the traceable functional collective, whose wait the compiler places and whose bytes no counter sees."""
         if compiling:
             return funcol.all_to_all_single_autograd(rows, output_splits, input_splits, self.mesh.group)
-        return _Exchange.apply(rows, output_splits, input_splits, self)
+        flight = _InFlight(self, output_splits, input_splits)
+        sent = (_Send.apply(rows, flight), flight)
+        return sent if self.overlap else _received(sent)
 
-    def exchange(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    def exchange(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], async_op=False):
         """`rows` [sum(input_splits), D] to the group's ranks, `input_splits[p]` rows to rank p; returns the
-        rows received, `output_splits[p]` from rank p."""
+        buffer of the rows received, `output_splits[p]` from rank p (and with `async_op` the work to wait on
+        before reading it)."""
         width = rows.shape[1]
         out = rows.new_empty(sum(output_splits), width)
-        all_to_all_single(out.view(-1), rows.contiguous().view(-1), [n * width for n in output_splits],
-                          [n * width for n in input_splits], self.mesh.group, self.counter, KIND)
+        work = all_to_all_single(out.view(-1), rows.contiguous().view(-1), [n * width for n in output_splits],
+                                 [n * width for n in input_splits], self.mesh.group, self.counter, KIND, async_op)
+        return (out, work) if async_op else out
+
+
+def _received(sent) -> torch.Tensor:
+    """The rows of an exchange `ParallelExperts._send` started, once they are here."""
+    return sent if isinstance(sent, torch.Tensor) else _Receive.apply(*sent)
+
+
+class _InFlight:
+    """One exchange of rows, started by `_Send` and finished by `_Receive` in forward; its gradients' exchange,
+    the reverse, is started by `_Receive`'s backward and finished by `_Send`'s. Between the two the autograd
+    engine runs what was computed between them in forward (it runs the nodes made later first), so the
+    local tokens' backward overlaps the gradients' exchange as their forward overlapped the rows'."""
+
+    def __init__(self, experts: ParallelExperts, output_splits: list, input_splits: list):
+        self.experts, self.splits = experts, (output_splits, input_splits)
+        self.pending = None
+
+    def start(self, rows: torch.Tensor, output_splits: list, input_splits: list) -> None:
+        rows = rows.contiguous()  # kept until the exchange is done
+        self.pending = (rows, *self.experts.exchange(rows, output_splits, input_splits, async_op=True))
+
+    def finish(self) -> torch.Tensor:
+        _, out, work = self.pending
+        work.wait()
+        self.pending = None
         return out
 
 
-class _Exchange(torch.autograd.Function):
-    """`ParallelExperts.exchange` with its backward: the gradients travel back by the reverse splits."""
+class _Send(torch.autograd.Function):
+    """Starts the exchange of `rows`; returns an empty tensor that links it to its `_Receive` in the graph."""
 
     @staticmethod
-    def forward(ctx, rows, output_splits, input_splits, experts):
-        ctx.splits, ctx.experts = (output_splits, input_splits), experts
-        return experts.exchange(rows, output_splits, input_splits)
+    def forward(ctx, rows, flight):
+        ctx.flight = flight
+        flight.start(rows, *flight.splits)
+        return rows.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.flight.finish(), None
+
+
+class _Receive(torch.autograd.Function):
+    """The received rows; in backward starts sending their gradients back by the reverse splits."""
+
+    @staticmethod
+    def forward(ctx, link, flight):
+        ctx.flight = flight
+        return flight.finish()
 
     @staticmethod
     def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        return ctx.experts.exchange(grad, input_splits, output_splits), None, None, None
+        output_splits, input_splits = ctx.flight.splits
+        ctx.flight.start(grad, input_splits, output_splits)
+        return grad.new_empty(0), None
 
 
 def shard_experts(model: Zaya, mesh: ExpertMesh, counter: CommCounter | None = None) -> Zaya:
