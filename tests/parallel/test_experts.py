@@ -17,7 +17,7 @@ from ranks import run_distributed
 from zaya.model.moe import Experts
 from zaya.parallel.comm import CommCounter
 from zaya.parallel.config import ParallelConfig
-from zaya.parallel.experts import KIND, ParallelExperts, _InFlight
+from zaya.parallel.experts import KIND, ParallelExperts
 from zaya.parallel.launch import Launch
 from zaya.parallel.mesh import init_parallel
 
@@ -102,8 +102,11 @@ def test_the_token_exchange_equals_every_expert_in_one_process(case):
         assert all(r["sent"] == (world - 1) * (E // world) * 8 for r in results)  # no token travelled
 
 
+START, WAIT = "_c10d_functional::all_to_all_single", "_c10d_functional::wait_tensor"
+
+
 class _Order(TorchDispatchMode):
-    """The ops dispatched inside, in order, with "start" and "finish" where an exchange starts and ends."""
+    """The ops dispatched inside, in order."""
 
     def __init__(self):
         super().__init__()
@@ -113,18 +116,42 @@ class _Order(TorchDispatchMode):
         self.log.append(func._schema.name)
         return func(*args, **(kwargs or {}))
 
-    def windows(self) -> list[list[str]]:
-        """The ops run while each exchange was in flight."""
-        out, current = [], None
-        for name in self.log:
-            if name == "start":
-                current = []
-            elif name == "finish":
-                out.append(current)
-                current = None
-            elif current is not None:
-                current.append(name)
-        return out
+
+def _windows(ops: list[str]) -> list[bool]:
+    """For each exchange started in `ops` (in order), whether a matmul ran while it was in flight."""
+    out, current = [], None
+    for name in ops:
+        if name.startswith(START):
+            current = False
+        elif name.startswith(WAIT):
+            out.append(current)
+        elif current is not None and "mm" in name:
+            current = True
+    return out
+
+
+def _graph_ops(experts: ParallelExperts, x: torch.Tensor, route: torch.Tensor) -> list[list[str]]:
+    """The ops of the forward and backward graphs `torch.compile` makes of `experts` (as inductor gets them)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def record(graph, _):
+        graphs.append([str(node.target).replace(".", "::", 1) for node in graph.graph.nodes
+                       if node.op == "call_function"])
+        return make_boxed_func(graph.forward)
+
+    capture = torch._dynamo.config.capture_scalar_outputs
+    torch._dynamo.config.capture_scalar_outputs = True  # as `parallelize` sets it
+    try:
+        compiled = torch.compile(experts, backend=aot_autograd(fw_compiler=record, bw_compiler=record),
+                                 fullgraph=True)
+        compiled(x.clone().requires_grad_(), route, None).square().sum().backward()
+    finally:
+        torch._dynamo.config.capture_scalar_outputs = capture
+        torch._dynamo.reset()
+    return graphs
 
 
 def _overlap_worker(rank: int, world: int) -> dict:
@@ -136,37 +163,30 @@ def _overlap_worker(rank: int, world: int) -> dict:
     generator = torch.Generator().manual_seed(7 + rank)
     route = torch.randint(0, E, (4 * TOKENS,), generator=generator)  # every rank keeps and sends some
     x = torch.randn(4 * TOKENS, D, generator=generator)
-    start, finish = _InFlight.start, _InFlight.finish
     windows, outputs = {}, {}
-    try:
-        for overlap in (True, False):
-            order = _Order()
-            _InFlight.start = lambda self, *a, log=order.log: (start(self, *a), log.append("start"))[0]
-            _InFlight.finish = lambda self, log=order.log: (log.append("finish"), finish(self))[1]
-            experts = ParallelExperts(whole, context.experts, overlap=overlap)
-            x_in = x.clone().requires_grad_()
-            with order:
-                y = experts(x_in, route, None)
-                y.square().sum().backward()
-            windows[overlap] = order.windows()
-            outputs[overlap] = (y.detach(), x_in.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
-    finally:
-        _InFlight.start, _InFlight.finish = start, finish
+    for overlap in (True, False):
+        order = _Order()
+        experts = ParallelExperts(whole, context.experts, overlap=overlap)
+        x_in = x.clone().requires_grad_()
+        with order:
+            y = experts(x_in, route, None)
+            y.square().sum().backward()
+        windows[overlap] = _windows(order.log)
+        outputs[overlap] = (y.detach(), x_in.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
+    graphs = [_windows(ops) for ops in _graph_ops(ParallelExperts(whole, context.experts), x, route)]
     context.close()
-    return {"windows": windows, "outputs": outputs}
+    return {"windows": windows, "outputs": outputs, "graphs": graphs}
 
 
 @pytest.mark.slow
 def test_the_tokens_that_stay_are_computed_while_the_others_travel():
     """Forward: half the rows for this rank's own experts run while the others go out, half while the outputs
     come back; backward: the same halves' gradients while the gradients travel the other way. Without overlap
-    the same work gives the same values, and nothing runs while an exchange is in flight."""
+    the same work gives the same values, and nothing runs while an exchange is in flight. The compiled graphs
+    keep the order (their first exchange is the counts', waited for at once)."""
     for result in run_distributed(_overlap_worker, 2, timeout=120):
-        with_overlap, without = result["windows"][True], result["windows"][False]
-        assert len(with_overlap) == len(without) == 4  # two exchanges forward, two backward
-        for window in with_overlap:
-            assert any("mm" in name for name in window), with_overlap
-        for window in without:
-            assert not any("mm" in name for name in window), without
+        assert result["windows"][True] == [True] * 4  # two exchanges forward, two backward
+        assert result["windows"][False] == [False] * 4
         for ours, theirs in zip(*result["outputs"].values(), strict=True):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        assert result["graphs"] == [[False, True, True], [True, True]]

@@ -73,17 +73,14 @@ def all_reduce(tensor: Tensor, group, counter: CommCounter | None, kind: str, op
 
 def all_to_all_single(
     output: Tensor, input: Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group,
-    counter: CommCounter | None, kind: str, async_op: bool = False,
-):
+    counter: CommCounter | None, kind: str,
+) -> None:
     """`dist.all_to_all_single` with explicit (possibly uneven) splits, in elements; counted. gloo rejects
-    uneven splits in the list form of all-to-all, not in this one. With `async_op` returns its work, to wait
-    on."""
-    work = dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=group,
-                                  async_op=async_op)
+    uneven splits in the list form of all-to-all, not in this one."""
+    dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=group)
     if counter is not None:
         own = dist.get_rank(group)
         counter.add(kind, (sum(input_splits) - input_splits[own]) * input.element_size())
-    return work
 
 
 def broadcast(tensor: Tensor, src: int, group, counter: CommCounter | None, kind: str) -> None:

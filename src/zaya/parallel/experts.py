@@ -6,18 +6,25 @@ Its forward, for the N tokens of this rank (routes in 0..E, E the skip route):
 
     counts[e]        tokens of this rank routed to expert e (the skip route's are not sent)
     received[p, l]   tokens rank p sends to local expert l: one all-to-all of the counts
-    dispatch         the tokens, sorted by expert, to their experts' ranks: one all_to_all_single, uneven
+    dispatch         the tokens, sorted by expert, to their experts' ranks: one all_to_all_single, uneven;
+                     the tokens routed to this rank's own experts stay
     experts          the received rows through the local experts (`Experts.forward`: grouped matmuls)
     combine          each output back to its token's rank: the reverse all_to_all_single
     m                g * output, in token order; 0 for skipped tokens
 
 The split sizes are read to the host once per layer (the counts and the received counts in one read); that is
-the layer's one host sync. The backward runs the same two exchanges in reverse (`_Exchange`). Only the routed
-tokens travel, in the autocast dtype (bf16 under bf16): per MoE layer and direction a rank sends
-rows x D x bytes, less what stays on it. Compiled (`zaya.parallel.fsdp.compile_around_experts`), the forward
-is one graph: the split sizes enter it as sizes it cannot know (bounded by `torch._check`), the exchanges are
-the traceable functional collectives (their backward the reverse exchange too), and no counter sees their
-bytes.
+the layer's one host sync. Only the routed tokens travel, in the autocast dtype (bf16 under bf16): per MoE
+layer and direction a rank sends rows x D x bytes, less what stays on it.
+
+Overlap: the tokens that stay are computed while the others travel, half of them during the dispatch and half
+during the combine. The exchanges are the functional collectives, started in one place and waited for in
+another (`_Hold` and `_Receive`); their backward runs the same two exchanges in reverse, started in `_Receive`'s
+backward and waited for in `_Hold`'s, and the autograd engine, which runs the nodes made later first, runs the
+staying tokens' backward in between. With ep = 8 and even routing 1/8 of the rows stay; the share of the
+exchange they hide is `zaya plan`'s to predict (docs/distributed.md). Compiled
+(`zaya.parallel.fsdp.compile_around_experts`), the forward is one graph with the same order (inductor keeps
+it, backward included): the split sizes enter it as sizes it cannot know (bounded by `torch._check`), and no
+counter sees the exchanges' bytes.
 
 The experts' gradients on a rank sum over the tokens of its whole expert group (they were routed there); FSDP2
 averages them over the ranks that hold the same experts, and `finish_gradients` divides by ep, so that they are
@@ -39,7 +46,7 @@ from zaya.device import autocast_dtype
 from zaya.errors import ZayaError
 from zaya.model.moe import Experts, expert_counts
 from zaya.model.transformer import Zaya
-from zaya.parallel.comm import CommCounter, all_to_all_single
+from zaya.parallel.comm import CommCounter
 from zaya.parallel.config import experts_split_problem
 from zaya.parallel.dtensor import is_dtensor, local
 from zaya.parallel.mesh import ExpertMesh
@@ -69,12 +76,9 @@ class ParallelExperts(Experts):
         x_ND = x_ND.to(autocast_dtype(x_ND.device) or x_ND.dtype)  # half the bytes travel under bf16
         order_N = torch.argsort(route_N, stable=True)  # by expert; the skip route (E) last
         counts = expert_counts(route_N, self.total + 1)[:self.total]
-        if compiling:
-            received = funcol.all_to_all_single(counts, [experts] * ranks, [experts] * ranks, self.mesh.group)
-        else:
-            received = torch.empty_like(counts)
-            all_to_all_single(received, counts, [experts] * ranks, [experts] * ranks, self.mesh.group,
-                              self.counter, KIND)
+        received = funcol.all_to_all_single(counts, [experts] * ranks, [experts] * ranks, self.mesh.group)
+        if self.counter is not None and not compiling:
+            self.counter.add(KIND, (ranks - 1) * experts * counts.element_size())
         sizes = torch.cat([counts.view(ranks, experts).sum(1), received]).tolist()  # the layer's one host read
         for size in sizes:  # in a graph, sizes it cannot know: what they are bounded by
             torch._check(size >= 0)
@@ -90,16 +94,16 @@ class ParallelExperts(Experts):
         home_1, home_2 = home.split(halves)
         expert_1, expert_2 = (route_N.index_select(0, home) - self.first).split(halves)
 
-        x_recv = self._send(x_ND.index_select(0, away), receive, send, compiling)
+        x_recv = self._send(x_ND.index_select(0, away), receive, send)
         y_1 = self._home(x_ND, home_1, expert_1, compiling)
-        x_recv = _received(x_recv)
+        x_recv = self._received(x_recv)
         # the received rows come by sender, then by expert: each row's local expert
         others = received.view(ranks, experts) * (torch.arange(ranks, device=x_ND.device) != me)[:, None]
         local = torch.arange(experts, device=x_ND.device).repeat(ranks)
         expert_R = torch.repeat_interleave(local, others.view(-1), output_size=x_recv.shape[0])
-        y_away = self._send(self._run(x_recv, expert_R, compiling), send, receive, compiling)
+        y_away = self._send(self._run(x_recv, expert_R, compiling), send, receive)
         y_2 = self._home(x_ND, home_2, expert_2, compiling)
-        y_away = _received(y_away)
+        y_away = self._received(y_away)
         y_ND = y_away.new_zeros(N, D).index_copy(0, torch.cat([home, away]), torch.cat([y_1, y_2, y_away]))
         return y_ND if weight_N is None else y_ND * weight_N[:, None].to(y_ND.dtype)
 
@@ -113,80 +117,62 @@ class ParallelExperts(Experts):
             return x_ND.new_empty(0, x_ND.shape[1])
         return self._run(x_ND.index_select(0, token), expert, compiling)
 
-    def _send(self, rows: torch.Tensor, output_splits: list, input_splits: list, compiling: bool):
+    def _send(self, rows: torch.Tensor, output_splits: list, input_splits: list) -> tuple:
         """Start sending `rows` to the group's ranks (`input_splits[p]` rows to rank p; `output_splits[p]` come
-        from it); `_received` ends it. Eagerly an `_InFlight` pair of autograd functions, counted; in a graph
-        the traceable functional collective, whose wait the compiler places and whose bytes no counter sees."""
-        if compiling:
-            return funcol.all_to_all_single_autograd(rows, output_splits, input_splits, self.mesh.group)
-        flight = _InFlight(self, output_splits, input_splits)
-        sent = (_Send.apply(rows, flight), flight)
-        return sent if self.overlap else _received(sent)
+        from it); `_received` waits for them. Eagerly the bytes are counted, both ways (a graph's no counter
+        sees)."""
+        count = None if self.counter is None or torch.compiler.is_compiling() else self._count
+        if count:
+            count(rows, input_splits)
+        rows = _Hold.apply(rows)
+        sent = (_start(rows.detach(), output_splits, input_splits, self.mesh.group.group_name), rows,
+                (output_splits, input_splits), self.mesh.group.group_name, count)
+        return sent if self.overlap else (self._received(sent),)  # waited for at once: nothing overlaps it
 
-    def exchange(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], async_op=False):
-        """`rows` [sum(input_splits), D] to the group's ranks, `input_splits[p]` rows to rank p; returns the
-        buffer of the rows received, `output_splits[p]` from rank p (and with `async_op` the work to wait on
-        before reading it)."""
-        width = rows.shape[1]
-        out = rows.new_empty(sum(output_splits), width)
-        work = all_to_all_single(out.view(-1), rows.contiguous().view(-1), [n * width for n in output_splits],
-                                 [n * width for n in input_splits], self.mesh.group, self.counter, KIND, async_op)
-        return (out, work) if async_op else out
+    def _received(self, sent: tuple) -> torch.Tensor:
+        """The rows an exchange `_send` started brings, once they are here."""
+        return sent[0] if len(sent) == 1 else _Receive.apply(*sent)
 
-
-def _received(sent) -> torch.Tensor:
-    """The rows of an exchange `ParallelExperts._send` started, once they are here."""
-    return sent if isinstance(sent, torch.Tensor) else _Receive.apply(*sent)
+    def _count(self, rows: torch.Tensor, input_splits: list) -> None:
+        rows_out = sum(input_splits) - input_splits[self.mesh.rank]
+        self.counter.add(KIND, rows_out * rows.shape[1] * rows.element_size())
 
 
-class _InFlight:
-    """One exchange of rows, started by `_Send` and finished by `_Receive` in forward; its gradients' exchange,
-    the reverse, is started by `_Receive`'s backward and finished by `_Send`'s. Between the two the autograd
-    engine runs what was computed between them in forward (it runs the nodes made later first), so the
-    local tokens' backward overlaps the gradients' exchange as their forward overlapped the rows'."""
-
-    def __init__(self, experts: ParallelExperts, output_splits: list, input_splits: list):
-        self.experts, self.splits = experts, (output_splits, input_splits)
-        self.pending = None
-
-    def start(self, rows: torch.Tensor, output_splits: list, input_splits: list) -> None:
-        rows = rows.contiguous()  # kept until the exchange is done
-        self.pending = (rows, *self.experts.exchange(rows, output_splits, input_splits, async_op=True))
-
-    def finish(self) -> torch.Tensor:
-        _, out, work = self.pending
-        work.wait()
-        self.pending = None
-        return out
+def _start(rows: torch.Tensor, output_splits: list, input_splits: list, group_name: str) -> torch.Tensor:
+    """The functional all-to-all, not waited for: its output may be read only after `wait_tensor`."""
+    return torch.ops._c10d_functional.all_to_all_single(rows.contiguous(), output_splits, input_splits, group_name)
 
 
-class _Send(torch.autograd.Function):
-    """Starts the exchange of `rows`; returns an empty tensor that links it to its `_Receive` in the graph."""
+class _Hold(torch.autograd.Function):
+    """The rows an exchange sends, as they are; in backward it waits for their gradients, which `_Receive`'s
+    backward started sending. Between the two the autograd engine runs what was computed between them in
+    forward (of the nodes ready it runs those made later first), so the staying tokens' backward overlaps the
+    gradients' exchange as their forward overlapped the rows'."""
 
     @staticmethod
-    def forward(ctx, rows, flight):
-        ctx.flight = flight
-        flight.start(rows, *flight.splits)
-        return rows.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _):
-        return ctx.flight.finish(), None
-
-
-class _Receive(torch.autograd.Function):
-    """The received rows; in backward starts sending their gradients back by the reverse splits."""
-
-    @staticmethod
-    def forward(ctx, link, flight):
-        ctx.flight = flight
-        return flight.finish()
+    def forward(ctx, rows):
+        return rows.view_as(rows)
 
     @staticmethod
     def backward(ctx, grad):
-        output_splits, input_splits = ctx.flight.splits
-        ctx.flight.start(grad, input_splits, output_splits)
-        return grad.new_empty(0), None
+        return funcol.wait_tensor(grad)
+
+
+class _Receive(torch.autograd.Function):
+    """The exchange's received rows (`started`, once they are here), as a function of the rows sent; in backward
+    it starts sending their gradients back by the reverse splits."""
+
+    @staticmethod
+    def forward(ctx, started, rows, splits, group_name, count):
+        ctx.splits, ctx.group_name, ctx.count = splits, group_name, count
+        return funcol.wait_tensor(started)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        if ctx.count:
+            ctx.count(grad, output_splits)
+        return None, _start(grad, input_splits, output_splits, ctx.group_name), None, None, None
 
 
 def shard_experts(model: Zaya, mesh: ExpertMesh, counter: CommCounter | None = None) -> Zaya:
