@@ -111,10 +111,13 @@ class _Recorder:
 
 
 def test_a_rank_runs_its_e_over_ep_experts_on_as_many_rows_and_reads_the_split_sizes_once_per_moe_forward(model):
-    for ep in (1, 4):
-        rates = _Recorder()
-        block_gemm_seconds(model, rates, 4096, "bf16", 1.0, backward=False, ep=ep)
-        assert rates.grouped == [(4096, model.num_experts // ep)] * 2  # gate/up and down: 4096 ep / E rows each
+    rates = _Recorder()
+    block_gemm_seconds(model, rates, 4096, "bf16", 1.0, backward=False)
+    assert rates.grouped == [(4096, model.num_experts)] * 2  # gate/up and down
+    rates = _Recorder()
+    block_gemm_seconds(model, rates, 4096, "bf16", 1.0, backward=False, ep=4)
+    # the same rows over E / 4 experts (4096 x 4 / E rows each): the 1/4 that stay in halves, the 3/4 received
+    assert rates.grouped == [(512, model.num_experts // 4)] * 2 + [(3072, model.num_experts // 4)] * 2
     L, micro_batches = model.num_hidden_layers, 3
     reads = {(ep, mode): host_seconds(model, Layout(8, 8, 1, 8, 1, 1, mode, ep=ep), micro_batches, 5e-6)[1]
              for ep in (1, 8) for mode in ("none", "moe")}
@@ -122,18 +125,41 @@ def test_a_rank_runs_its_e_over_ep_experts_on_as_many_rows_and_reads_the_split_s
     assert reads[8, "moe"] - reads[1, "moe"] == 2 * micro_batches * L  # the recomputed forward exchanges again
 
 
-def test_the_exchange_is_exposed_whole_over_the_links_of_its_group(model):
-    rates = RooflineRates({"bf16": 1e15, "fp32": 5e14}, 3e12, 0.7)
+@dataclasses.dataclass(frozen=True)
+class _CpuRates(RooflineRates):
+    device: str = "cpu"  # as a measured table of a CPU names it
+
+
+def test_the_exchange_is_exposed_beyond_the_staying_rows_over_the_links_of_its_group(model):
+    """Each of a layer's exchanges runs beside half the rows that stay: dispatch and combine beside their
+    forward, the gradients' two beside their backward (twice the work), a recomputed forward's two beside it
+    again; what a window cannot hold is exposed, and on a CPU, whose cores copy and compute, all of it."""
     layout = Layout(64, 8, 1, 64, 1, 1, "none", ep=8)
     bandwidths = bandwidths_for(layout, get_device("h100"))
     assert bandwidths["ep"] > bandwidths["edp"]  # 8 consecutive ranks: one node; the ranks 8 apart: eight
     assert bandwidths_for(dataclasses.replace(layout, ep=16), get_device("h100"))["ep"] == bandwidths["edp"]
-    traffic = step_traffic(model, layout, 4096, "bf16", 1)
-    without = Traffic({key: v for key, v in traffic.entries.items() if key[0] != "experts"})
-    times: list[StepTime] = [step_time(model, layout, 4096, "bf16", 1, rates, t, bandwidths)
-                             for t in (without, traffic)]
-    assert times[1].comm_exposed - times[0].comm_exposed == \
-        pytest.approx(traffic.by_kind["experts"] / bandwidths["ep"], rel=1e-9)
+    L, tokens, micro_batches = model.num_hidden_layers, 4096, 2
+    for mode, exchanges in (("none", 4), ("moe", 6)):
+        layout = dataclasses.replace(Layout(64, 8, 1, 64, 1, 1, mode, ep=8), micro_batch_size=1)
+        traffic = step_traffic(model, layout, tokens, "bf16", micro_batches)
+        without = Traffic({key: v for key, v in traffic.entries.items() if key[0] != "experts"})
+        exchange = traffic.by_kind["experts"] / bandwidths["ep"]
+        each = exchange / (micro_batches * L * exchanges)
+        # half the 4096 / 8 staying rows through the gate/up [2F, D] and down [D, F] projections, forward
+        flops = 2 * (4096 / 8 / 2) * 3 * model.moe_intermediate_size * model.hidden_size
+        for peak, regime in ((1e20, "all of each window"), (2e14, "parts"), (1e9, "all of each exchange")):
+            rates = RooflineRates({"bf16": peak, "fp32": peak / 2}, 1e20, 1.0)
+            half = flops / peak
+            if regime == "parts":  # a forward window holds part of an exchange, a backward one all of it
+                assert half < each < 2 * half, (half, each)
+            hidden_per_layer = (exchanges - 2) * min(each, half) + 2 * min(each, 2 * half)
+            times: list[StepTime] = [step_time(model, layout, tokens, "bf16", micro_batches, rates, t, bandwidths)
+                                     for t in (without, traffic)]
+            assert times[1].comm_exposed - times[0].comm_exposed == pytest.approx(
+                exchange - micro_batches * L * hidden_per_layer, rel=1e-9), (mode, peak)
+    cpu = _CpuRates(rates.peak_flops, rates.bandwidth, rates.gemm_efficiency)
+    times = [step_time(model, layout, tokens, "bf16", micro_batches, cpu, t, bandwidths) for t in (without, traffic)]
+    assert times[1].comm_exposed - times[0].comm_exposed == pytest.approx(exchange, rel=1e-9)
 
 
 def test_the_search_weighs_every_ep_the_experts_and_the_mesh_allow(model):

@@ -42,10 +42,12 @@ the trainer's all-reduces are exposed. Bandwidth per mesh dimension: the scale-u
 that dimension lies inside a node, the network (per GPU) otherwise.
 
 Expert parallelism (`parallel.ep`): a rank's grouped GEMMs run E / ep experts of ~N ep / E rows each (the same
-rows in all, in fewer, larger groups); the token exchange waits on its data and the experts wait on it, so
-its all-to-alls are exposed whole; the received rows are put in expert order and back (a read and a write
-of them each way); each MoE forward reads the exchange's split sizes back to the host (a sync per layer).
-Blocks with expert parallelism run eagerly (`zaya.parallel.fsdp.parallelize` compiles none yet).
+rows in all, in fewer, larger groups), in three calls per projection: the 1/ep of the rows that stay on the
+rank, in two halves, and the rows received. Each of a layer's exchanges (dispatch and combine; in forward, in
+the recomputed forward, and in backward) runs beside one half of the staying rows' GEMMs, their forward or in
+backward their backward, and is exposed beyond them (`experts_exposed`; on a CPU the copies take the cores
+that compute, and none is hidden); the received rows are put in expert order and back (a read and a write of
+them each way); each MoE forward reads the exchange's split sizes back to the host (a sync per layer).
 """
 
 from __future__ import annotations
@@ -183,17 +185,43 @@ def _grouped(rates: Rates, m: float, n: int, k: int, groups: int, dtype: str, ba
 def block_gemm_seconds(c: ZayaConfig, rates: Rates, tokens: int, precision: str, rho: float,
                        backward: bool = True, parts: str = "all", ep: int = 1) -> float:
     """One block's GEMMs for `tokens` tokens (`parts`: "all", "attention" or "moe"); with `ep` expert-parallel
-    ranks the experts' GEMMs take the same rows over this rank's E / ep experts."""
+    ranks the experts' GEMMs take the same rows over this rank's E / ep experts, in three calls (the module
+    docstring)."""
     a = precision
-    D, Q, K, R, F_ = c.hidden_size, c.query_latent, c.key_latent, c.router_hidden_size, c.moe_intermediate_size
+    D, Q, K, R = c.hidden_size, c.query_latent, c.key_latent, c.router_hidden_size
     E = c.num_experts // ep
     attention = _dense(rates, tokens, Q + 2 * K, D, a, backward) + _dense(rates, tokens, D, Q, a, backward) + \
         _dense(rates, tokens, Q + K, c.head_dim * (c.conv_padding + 1), a, backward)
     moe = (_dense(rates, tokens, R, D, "fp32", backward) + 2 * _dense(rates, tokens, R, R, "fp32", backward)
-           + _dense(rates, tokens, E + 1, R, "fp32", backward)
-           + _grouped(rates, tokens * rho, 2 * F_, D, E, a, backward) + _grouped(rates, tokens * rho, D, F_, E, a,
-                                                                              backward))
+           + _dense(rates, tokens, c.num_experts + 1, R, "fp32", backward))  # the router scores every expert
+    rows = tokens * rho
+    if ep == 1:
+        moe += _experts(c, rates, rows, E, a, backward)
+    else:  # the staying rows in two halves, the received ones
+        moe += 2 * _experts(c, rates, rows / ep / 2, E, a, backward) + _experts(c, rates, rows * (1 - 1 / ep), E, a,
+                                                                               backward)
     return {"all": attention + moe, "attention": attention, "moe": moe}[parts]
+
+
+def _experts(c: ZayaConfig, rates: Rates, rows: float, E: int, precision: str, backward: bool) -> float:
+    """The experts' two grouped GEMMs (gate/up, down) over `rows` rows in `E` groups."""
+    D, F_ = c.hidden_size, c.moe_intermediate_size
+    return _grouped(rates, rows, 2 * F_, D, E, precision, backward) + _grouped(rates, rows, D, F_, E, precision,
+                                                                              backward)
+
+
+def experts_exposed(c: ZayaConfig, rates: Rates, layout: Layout, tokens: int, precision: str, rho: float,
+                    micro_batches: int, seconds: float) -> float:
+    """Of the token exchange's `seconds` in a step, what the staying rows do not hide: a layer's exchanges are
+    alike (2 in forward, 2 more where the MoE is recomputed, 2 in backward), and each runs beside half the
+    staying rows' expert GEMMs, their forward (dispatch, combine) or their backward (the gradients' two)."""
+    if layout.ep == 1 or not seconds:
+        return seconds
+    forwards = 2 if layout.activation_checkpointing in ("moe", "full") else 1
+    layers = micro_batches * c.num_hidden_layers
+    each = seconds / (layers * (2 * forwards + 2))
+    half = _experts(c, rates, tokens * rho / layout.ep / 2, c.num_experts // layout.ep, precision, False)
+    return seconds - layers * (2 * forwards * min(each, half) + 2 * min(each, 2 * half))
 
 
 def loss_gemm_seconds(c: ZayaConfig, rates: Rates, tokens: int, precision: str, details: DeviceDetails) -> float:
@@ -442,6 +470,8 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     cp = sum(v for k, v in seconds.items() if k.startswith("cp_"))
     exposed += cp if cp_kernel == "allgather" else max(0.0, cp - time.attention)
     exposed += sum(v for k, v in seconds.items() if k.startswith("muon_") or k in ("trainer", "replicated"))
-    exposed += seconds.get("experts", 0.0)  # the experts wait for their rows, the block for their outputs
+    experts = seconds.get("experts", 0.0)  # the experts wait for their rows, the block for their outputs
+    hides = launches_overlap_compute(device_type)  # on a CPU the same cores copy and compute
+    exposed += experts_exposed(c, rates, layout, tokens, precision, rho, micro_batches, experts) if hides else experts
     time.comm_exposed = exposed
     return time
