@@ -17,10 +17,10 @@ the layer's one host sync. Only the routed tokens travel, in the autocast dtype 
 layer and direction a rank sends rows x D x bytes, less what stays on it.
 
 Overlap: the tokens that stay are computed while the others travel, half of them during the dispatch and half
-during the combine. The exchanges are the functional collectives, started in one place and waited for in
-another (`_Hold` and `_Receive`); their backward runs the same two exchanges in reverse, started in `_Receive`'s
-backward and waited for in `_Hold`'s, and the autograd engine, which runs the nodes made later first, runs the
-staying tokens' backward in between. With ep = 8 and even routing 1/8 of the rows stay; the share of the
+during the combine. The exchanges are the functional collectives, started in one place (`_send`) and waited
+for in another (`_Receive`); their backward runs the same two exchanges in reverse, started in `_Receive`'s
+backward and waited for in `_Hold`'s, and the autograd engine, which of the nodes ready runs those made later
+first, runs the staying tokens' backward in between. With ep = 8 and even routing 1/8 of the rows stay; the share of the
 exchange they hide is `zaya plan`'s to predict (docs/distributed.md). Compiled
 (`zaya.parallel.fsdp.compile_around_experts`), the forward is one graph with the same order (inductor keeps
 it, backward included): the split sizes enter it as sizes it cannot know (bounded by `torch._check`), and no
