@@ -94,7 +94,14 @@ def test_exactly_one_of_data_and_tasks(cli, trained_run, dataset_dir):
     _one_line_error(code, err, "--seq-len does not apply to --tasks")
 
 
-def test_an_unknown_task_is_one_line(cli, trained_run, in_tasks_dir):
+def test_an_unknown_task_is_one_line(cli, trained_run, in_tasks_dir, monkeypatch):
+    import functools
+
+    from lm_eval.tasks import TaskManager
+
+    # the whole search, local tasks and then every task, without indexing lm_eval's own (~15 s of the suite)
+    monkeypatch.setattr(TaskManager, "__init__", functools.partialmethod(TaskManager.__init__,
+                                                                         include_defaults=False))
     code, _, err = cli("eval", "--model", trained_run, "--tasks", "zaya_code_choice,no_such_task_anywhere",
                        "--include-path", TASKS)
     _one_line_error(code, err, "unknown lm_eval task no_such_task_anywhere", "lm_eval ls tasks")
