@@ -59,6 +59,10 @@ class CommCounter:
     def all_reduce(self, kind: str, nbytes: int, group_size: int) -> None:
         self.add(kind, 2 * nbytes * (group_size - 1) / group_size)
 
+    def all_to_all(self, kind: str, input_splits: Sequence[int], own: int, unit_bytes: int) -> None:
+        """`input_splits[p]` units of `unit_bytes` to each rank p of the group, this one (`own`) not counted."""
+        self.add(kind, (sum(input_splits) - input_splits[own]) * unit_bytes)
+
 
 def _bytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
@@ -79,8 +83,7 @@ def all_to_all_single(
     uneven splits in the list form of all-to-all, not in this one."""
     dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=group)
     if counter is not None:
-        own = dist.get_rank(group)
-        counter.add(kind, (sum(input_splits) - input_splits[own]) * input.element_size())
+        counter.all_to_all(kind, input_splits, dist.get_rank(group), input.element_size())
 
 
 def broadcast(tensor: Tensor, src: int, group, counter: CommCounter | None, kind: str) -> None:

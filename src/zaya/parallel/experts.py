@@ -78,7 +78,7 @@ class ParallelExperts(Experts):
         counts = expert_counts(route_N, self.total + 1)[:self.total]
         received = funcol.all_to_all_single(counts, [experts] * ranks, [experts] * ranks, self.mesh.group)
         if self.counter is not None and not compiling:
-            self.counter.add(KIND, (ranks - 1) * experts * counts.element_size())
+            self.counter.all_to_all(KIND, [experts] * ranks, me, counts.element_size())
         sizes = torch.cat([counts.view(ranks, experts).sum(1), received]).tolist()  # the layer's one host read
         for size in sizes:  # in a graph, sizes it cannot know: what they are bounded by
             torch._check(size >= 0)
@@ -134,8 +134,7 @@ class ParallelExperts(Experts):
         return sent[0] if len(sent) == 1 else _Receive.apply(*sent)
 
     def _count(self, rows: torch.Tensor, input_splits: list) -> None:
-        rows_out = sum(input_splits) - input_splits[self.mesh.rank]
-        self.counter.add(KIND, rows_out * rows.shape[1] * rows.element_size())
+        self.counter.all_to_all(KIND, input_splits, self.mesh.rank, rows.shape[1] * rows.element_size())
 
 
 def _start(rows: torch.Tensor, output_splits: list, input_splits: list, group_name: str) -> torch.Tensor:
