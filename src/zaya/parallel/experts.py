@@ -117,21 +117,21 @@ class ParallelExperts(Experts):
             return x_ND.new_empty(0, x_ND.shape[1])
         return self._run(x_ND.index_select(0, token), expert, compiling)
 
-    def _send(self, rows: torch.Tensor, output_splits: list, input_splits: list) -> tuple:
+    def _send(self, rows: torch.Tensor, output_splits: list, input_splits: list) -> tuple | torch.Tensor:
         """Start sending `rows` to the group's ranks (`input_splits[p]` rows to rank p; `output_splits[p]` come
-        from it); `_received` waits for them. Eagerly the bytes are counted, both ways (a graph's no counter
-        sees)."""
+        from it); `_received` waits for them (without overlap they are waited for here, and come back received).
+        Eagerly the bytes are counted, both ways (a graph's no counter sees)."""
         count = None if self.counter is None or torch.compiler.is_compiling() else self._count
         if count:
             count(rows, input_splits)
         rows = _Hold.apply(rows)
         sent = (_start(rows.detach(), output_splits, input_splits, self.mesh.group.group_name), rows,
                 (output_splits, input_splits), self.mesh.group.group_name, count)
-        return sent if self.overlap else (self._received(sent),)  # waited for at once: nothing overlaps it
+        return sent if self.overlap else self._received(sent)
 
-    def _received(self, sent: tuple) -> torch.Tensor:
+    def _received(self, sent: tuple | torch.Tensor) -> torch.Tensor:
         """The rows an exchange `_send` started brings, once they are here."""
-        return sent[0] if len(sent) == 1 else _Receive.apply(*sent)
+        return sent if isinstance(sent, torch.Tensor) else _Receive.apply(*sent)
 
     def _count(self, rows: torch.Tensor, input_splits: list) -> None:
         self.counter.all_to_all(KIND, input_splits, self.mesh.rank, rows.shape[1] * rows.element_size())

@@ -65,11 +65,10 @@ class Layout:
     def settings(self) -> list[str]:
         """The `--set` overrides that give a run this layout (with `train.compile` as it is). dp_shard is left to
         fill the GPUs (-1), as the planner fills it for a phase with a cp of its own."""
-        settings = [f"parallel.dp_replicate={self.dp_replicate}", "parallel.dp_shard=-1",
-                    f"parallel.cp={self.cp}", f"parallel.ep={self.ep}", f"parallel.sharding={self.sharding}",
-                    f"train.micro_batch_size={self.micro_batch_size}",
-                    f"train.activation_checkpointing={self.activation_checkpointing}"]
-        return settings
+        return [f"parallel.dp_replicate={self.dp_replicate}", "parallel.dp_shard=-1",
+                f"parallel.cp={self.cp}", f"parallel.ep={self.ep}", f"parallel.sharding={self.sharding}",
+                f"train.micro_batch_size={self.micro_batch_size}",
+                f"train.activation_checkpointing={self.activation_checkpointing}"]
 
 
 def check_batch(global_batch: int, layout: Layout, what: str, source: str) -> None:

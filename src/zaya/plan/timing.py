@@ -470,7 +470,7 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     cp = sum(v for k, v in seconds.items() if k.startswith("cp_"))
     exposed += cp if cp_kernel == "allgather" else max(0.0, cp - time.attention)
     exposed += sum(v for k, v in seconds.items() if k.startswith("muon_") or k in ("trainer", "replicated"))
-    experts = seconds.get("experts", 0.0)  # the experts wait for their rows, the block for their outputs
+    experts = seconds.get("experts", 0.0)  # hidden only where the staying rows' GEMMs run beside it
     hides = launches_overlap_compute(device_type)  # on a CPU the same cores copy and compute
     exposed += experts_exposed(c, rates, layout, tokens, precision, rho, micro_batches, experts) if hides else experts
     time.comm_exposed = exposed
