@@ -13,14 +13,17 @@ lock manager: local and NFSv4 file systems honour it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
 from zaya.errors import ZayaError
+from zaya.reading import os_reason
 
 
 def lock_path(directory: Path) -> Path:
@@ -50,9 +53,9 @@ class DirectoryLock:
         while True:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for as long as the lock)
             except OSError as exc:
-                raise ZayaError(f"{path}: cannot create the directory's lock file ({exc.strerror or exc})") from None
+                raise ZayaError(f"{path}: cannot create the directory's lock file ({os_reason(exc)})") from None
+            handle = _open_lock_file(path)
             try:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -62,12 +65,13 @@ class DirectoryLock:
                                 "time") from None
             # the holder we waited on may have removed the file as it let go: a lock on that unlinked file would
             # hold nothing, so take it again on the file that is there now
-            try:
-                if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
+            if _same_file(path, handle):
+                break
             handle.close()
+        if os.fstat(handle.fileno()).st_size and _record(handle) is None:
+            # a file of that name that zaya did not write (a killed holder leaves its record): not ours to overwrite
+            handle.close()
+            raise ZayaError(f"{path}: exists and is not a zaya lock file; refusing to overwrite it")
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": self.what,
@@ -83,9 +87,11 @@ class DirectoryLock:
         held = _HELD[self._path]
         held[1] -= 1
         if held[1] == 0:
-            # removed while still locked (a command leaves nothing behind), then the descriptor's close lets go
-            with contextlib.suppress(OSError):
-                self._path.unlink()
+            # removed while still locked (a command leaves nothing behind), then the descriptor's close lets go;
+            # only if the name still is our file: it is not ours to remove otherwise
+            if _same_file(self._path, held[0]):
+                with contextlib.suppress(OSError):
+                    self._path.unlink()
             held[0].close()
             del _HELD[self._path]
         self._path = None
@@ -97,13 +103,50 @@ class DirectoryLock:
         self.release()
 
 
-def _holder(handle) -> str:
+def _open_lock_file(path: Path):
+    """The lock file, created if missing, opened without following a link (a link planted at its name would
+    make the holder's record write through it into another file), and only if it is a regular file."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ZayaError(f"{path}: the lock file is a symbolic link; refusing to use it (remove it if it is "
+                            "not yours)") from None
+        raise ZayaError(f"{path}: cannot create the directory's lock file ({os_reason(exc)})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        kind = "not a regular file" if not stat.S_ISREG(info.st_mode) else "a hard link to another file"
+        raise ZayaError(f"{path}: the lock file is {kind}; refusing to use it")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "r+", encoding="utf-8", errors="replace")
+
+
+def _same_file(path: Path, handle) -> bool:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    mine = os.fstat(handle.fileno())
+    return (info.st_ino, info.st_dev) == (mine.st_ino, mine.st_dev)
+
+
+def _record(handle) -> dict | None:
+    """The holder's record in a lock file, or None if it holds something else."""
     handle.seek(0)
     try:
-        info = json.loads(handle.read() or "{}")
+        info = json.loads(handle.read(4096) or "{}")
     except ValueError:
-        info = {}
-    if not isinstance(info, dict) or "pid" not in info:
+        return None
+    if not isinstance(info, dict) or not {"pid", "host", "what", "since"} <= info.keys():
+        return None
+    return info
+
+
+def _holder(handle) -> str:
+    info = _record(handle)
+    if info is None:
         return "another process"
-    return (f"{info.get('what', 'another process')} (pid {info['pid']} on host {info.get('host', '?')}, "
-            f"since {info.get('since', '?')})")
+    fields = {k: str(info[k])[:100] for k in ("what", "pid", "host", "since")}
+    return f"{fields['what']} (pid {fields['pid']} on host {fields['host']}, since {fields['since']})"
