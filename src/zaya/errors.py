@@ -6,6 +6,8 @@ keeps its traceback.
 """
 
 import errno
+import os
+import re
 
 # Exit codes. `zaya train` ends with 0, EXIT_BAD_INPUT or EXIT_PREEMPTED; `zaya supervise` with any of them.
 EXIT_OK = 0
@@ -50,23 +52,46 @@ STORAGE_ERRNOS = {"ENOSPC": "no space left on device", "EDQUOT": "disk quota exc
                   "EROFS": "read-only file system", "EIO": "input/output error", "ESTALE": "stale file handle"}
 
 
+# the strerror texts of those errnos, as C++ code (torch's file writers) puts them into a RuntimeError's message
+_STORAGE_TEXTS = {os.strerror(getattr(errno, name)): name for name in STORAGE_ERRNOS if hasattr(errno, name)}
+
+
 def storage_error(exc: BaseException) -> OSError | None:
-    """The storage `OSError` behind `exc`, if any: itself, its causes and contexts, or (a distributed checkpoint's
-    failure) the exceptions it gathered from the ranks."""
+    """The storage `OSError` behind `exc`, if any: itself, its causes and contexts, the exceptions it gathered (an
+    exception group; a distributed checkpoint's failures by rank, bare or as (exception, traceback) pairs) or
+    carries as arguments, at any depth; or an error of another type whose message is a storage errno's text
+    (C++ writers report ENOSPC that way)."""
     seen: set[int] = set()
-    todo = [exc]
+    todo: list = [exc]
+    worded = None
     while todo:
         current = todo.pop()
-        if current is None or id(current) in seen:
+        if isinstance(current, tuple):  # DCP's (exception, traceback) pairs
+            todo += [item for item in current if isinstance(item, BaseException)]
+            continue
+        if not isinstance(current, BaseException) or id(current) in seen:
             continue
         seen.add(id(current))
         if isinstance(current, OSError) and errno.errorcode.get(current.errno) in STORAGE_ERRNOS:
             return current
-        todo += [current.__cause__, current.__context__]
+        if worded is None and not isinstance(current, OSError):
+            text = str(current)
+            for words, name in _STORAGE_TEXTS.items():
+                if words in text:
+                    worded = OSError(getattr(errno, name), words, _quoted_path(text))
+                    break
+        todo += [current.__cause__, current.__context__, *current.args]
+        todo += list(getattr(current, "exceptions", None) or ())  # ExceptionGroup
         failures = getattr(current, "failures", None)  # torch.distributed.checkpoint's CheckpointException
         if isinstance(failures, dict):
-            todo += [getattr(f, "exc", f) for f in failures.values() if isinstance(getattr(f, "exc", f), BaseException)]
-    return None
+            todo += list(failures.values())
+    return worded
+
+
+def _quoted_path(text: str) -> str | None:
+    """A file name in an error message, if it names one in quotes."""
+    found = re.search(r"['\"](/[^'\"]+|[^'\" ]+/[^'\"]+)['\"]", text)
+    return found.group(1) if found else None
 
 
 def storage_message(error: OSError) -> str:
