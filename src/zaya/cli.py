@@ -3,6 +3,7 @@ one line on stderr and exit code 2, without a traceback."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -21,6 +22,7 @@ from zaya.errors import (
     storage_error,
     storage_message,
 )
+from zaya.reading import os_reason
 
 if TYPE_CHECKING:
     import torch
@@ -450,15 +452,27 @@ def _mount_subsystem_groups() -> None:
 
 
 # what the operating system says of a path that is not what the command needs (a file where a directory must be
-# made, a directory without the right to write): the user's to fix, said in one line
-_PATH_ERRORS = (NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError, FileNotFoundError)
+# made, a directory without the right to write, a loop of links, a name too long): the user's to fix, in one line
+_PATH_ERRNOS = {errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOENT, errno.ELOOP,
+                errno.ENAMETOOLONG, errno.ETXTBSY, errno.EMLINK, errno.EXDEV, errno.ENXIO}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zaya` console script."""
+    from zaya.owned import interrupt_on_sigterm
+
     _mount_subsystem_groups()
+    interrupt_on_sigterm()  # SIGTERM unwinds like Ctrl-C: a command's own staging and lock go with it
     try:
         code = cli.main(args=argv, prog_name="zaya", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("zaya: aborted", err=True)
+        return 130
+    except click.ClickException as exc:  # click's own usage errors: its message and usage line, exit code 2
+        exc.show()
+        return exc.exit_code
     except ZayaError as exc:
         if not getattr(exc, "quiet", False):
             rank = int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
@@ -466,23 +480,15 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, StartupFailed):
             exc.reported()
         return EXIT_BAD_INPUT
-    except click.exceptions.Abort:
-        click.echo("zaya: aborted", err=True)
-        return 130
     except Exception as exc:
         error = storage_error(exc)
         if error is not None:
             click.echo(f"zaya: error: {storage_message(error)}", err=True)
             return 1  # not bad input: the same command works once the disk does
-        if isinstance(exc, _PATH_ERRORS) and exc.filename:  # a path the user gave that cannot be used so
-            click.echo(f"zaya: error: {exc.filename}: {(exc.strerror or str(exc)).lower()}", err=True)
+        if isinstance(exc, OSError) and exc.errno in _PATH_ERRNOS and exc.filename:  # a path that cannot be used so
+            click.echo(f"zaya: error: {exc.filename}: {os_reason(exc)}", err=True)
             return EXIT_BAD_INPUT
         raise  # a bug: its traceback is what a report needs
-    except click.ClickException as exc:
-        exc.show()
-        return exc.exit_code
-    except click.exceptions.Exit as exc:
-        return exc.exit_code
     return code if isinstance(code, int) else 0  # a command's exit code (click returns it, unraised)
 
 
