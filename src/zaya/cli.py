@@ -80,12 +80,16 @@ def _config_of_dir(path: Path):
 
 
 def _parse_ids(text: str) -> list[int]:
+    from zaya.infer.generate import check_token_ids
+    from zaya.schema import shown
+
     try:
         ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
-    except ValueError:
-        raise ZayaError(f"--prompt-ids must be comma-separated integers, got '{text}'") from None
+    except ValueError:  # a word, or an integer of more digits than Python converts
+        raise ZayaError(f"--prompt-ids must be comma-separated integers, got {shown(text)}") from None
     if not ids:
         raise ZayaError("--prompt-ids is empty")
+    check_token_ids(ids, prefix="--")
     return ids
 
 
@@ -130,10 +134,11 @@ def generate(model_path, prompt, prompt_ids, chat, max_new_tokens, greedy, tempe
     from zaya.data.tokenizer import find_tokenizer, load_tokenizer
     from zaya.device import rank_device, resolve_device
     from zaya.infer.chat import chat_prompt, require_chat_template
-    from zaya.infer.generate import Sampling, check_prompt
+    from zaya.infer.generate import Sampling, check_length, check_max_new_tokens, check_prompt, check_sampling
     from zaya.infer.generate import generate as run_generate
     from zaya.infer.loading import load_model
     from zaya.infer.static import CompiledDecoder
+    from zaya.infer.vocab import allowed_ids, check_tokenizer, trained_tokenizer
     from zaya.parallel.launch import Launch
     from zaya.weights import resolve_model_dir
 
@@ -149,33 +154,41 @@ def generate(model_path, prompt, prompt_ids, chat, max_new_tokens, greedy, tempe
             raise ZayaError("--greedy cannot be combined with --temperature, --top-p or --top-k")
         if shard_kv and compile_:
             raise ZayaError("--compile does not apply to --shard-kv")
-        sampling = Sampling(
-            greedy=not sampled,
-            temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
-            seed=seed,
-            top_k=0 if top_k is None else top_k,
-            repetition_penalty=repetition_penalty,
-        )
+        # every number is checked before the model loads (the lengths again once its positions are known)
+        choices = dict(greedy=not sampled, temperature=1.0 if temperature is None else temperature,
+                       top_p=1.0 if top_p is None else top_p, top_k=0 if top_k is None else top_k,
+                       repetition_penalty=repetition_penalty, seed=seed)
+        check_sampling(**choices, prefix="--")
+        sampling = Sampling(**choices)
+        check_max_new_tokens(max_new_tokens, prefix="--")
+        parsed_ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
         model_path, _ = resolve_model_dir(model_path)  # a run directory means its newest valid checkpoint
         template = require_chat_template(model_path) if chat else None
         tokenizer_path = tokenizer or find_tokenizer(model_path)
         tok = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
         if prompt is not None and tok is None:
             raise ZayaError(f"{model_path}: no tokenizer.json found; pass --tokenizer or use --prompt-ids")
+        as_text = output == "text" and tok is not None
         if shard_kv:  # torchrun starts one process per GPU
             device = rank_device(resolve_device(device), launch.local_rank)
         model = load_model(model_path, device=device, dtype=_dtype(dtype))
+        known_ids = None
+        if prompt is not None or as_text:  # the tokenizer is used: it must be this model's (zaya.infer.vocab)
+            known_ids = check_tokenizer(tok, tokenizer_path, model.config.vocab_size,
+                                        trained_tokenizer(model_path, tokenizer))
         end_of_turn = None
         if chat:
             rendered = chat_prompt(template, model_path, tok, model.config, prompt)
             ids, end_of_turn = rendered.ids, rendered.end_of_turn_id
         else:
-            ids = tok.encode(prompt).ids if prompt is not None else _parse_ids(prompt_ids)
+            ids = tok.encode(prompt).ids if prompt is not None else parsed_ids
+        check_length(model.config, len(ids), max_new_tokens, prefix="--")
         ids_tensor = torch.tensor([ids], dtype=torch.long)
         check_prompt(ids_tensor, model.config.vocab_size)
 
     eos = (end_of_turn if chat else model.config.eos_token_id) if stop_at_eos else None
+    # text is made only of ids the tokenizer can decode; ids printed as ids are the model's own choice
+    allowed = allowed_ids(known_ids, model.config.vocab_size, eos) if as_text else None
     if shard_kv:
         from zaya.infer.tree import generate_sharded
 
@@ -183,14 +196,14 @@ def generate(model_path, prompt, prompt_ids, chat, max_new_tokens, greedy, tempe
 
         def run(on_token):
             return generate_sharded(model, ids_tensor, max_new_tokens, sampling, kernel=shard_kernel,
-                                    eos_token_id=eos, on_token=on_token)
+                                    eos_token_id=eos, on_token=on_token, allowed=allowed)
     else:
         decoder = CompiledDecoder(model) if compile_ else None
         joined = False
 
         def run(on_token):
             return run_generate(model, ids_tensor, max_new_tokens, sampling, eos_token_id=eos, on_token=on_token,
-                                decoder=decoder)
+                                decoder=decoder, allowed=allowed)
     try:
         _print_generation(run, None if chat else prompt, output, tok, launch.is_main)  # a reply, not a continuation
     finally:
@@ -206,17 +219,22 @@ def _print_generation(run: Callable[..., torch.Tensor], prompt: str | None, outp
         if printing:
             click.echo(",".join(str(i) for i in new[0].tolist()))
         return
-    # stream text as it is produced, decoding the whole continuation so multi-byte tokens come out right
+    # stream text as it is produced. Each token is decoded with the few before it (produced[start:]: a token's
+    # text can depend on its neighbours, and a multi-byte character can span tokens), never the whole
+    # continuation, which would make a long output quadratic; text ending in an incomplete character (or no
+    # text) waits for the next token, up to `pending_limit` tokens
     produced: list[int] = []
-    shown = ""
+    start = seen = 0  # produced[start:seen] decodes to what was last printed of the window
+    pending_limit = 16
 
     def show(token: torch.Tensor) -> None:
-        nonlocal shown
+        nonlocal start, seen
         produced.append(int(token[0]))
-        text = tok.decode(produced)
-        if not text.endswith("\ufffd"):
-            click.echo(text[len(shown):], nl=False)
-            shown = text
+        before = tok.decode(produced[start:seen])
+        text = tok.decode(produced[start:])
+        if len(produced) - seen > pending_limit or (len(text) > len(before) and not text.endswith("\ufffd")):
+            click.echo(text[len(before):], nl=False)
+            start, seen = seen, len(produced)
 
     if not printing:
         run(None)
@@ -224,7 +242,7 @@ def _print_generation(run: Callable[..., torch.Tensor], prompt: str | None, outp
     if prompt is not None:
         click.echo(prompt, nl=False)
     run(show)
-    click.echo(tok.decode(produced)[len(shown):])
+    click.echo(tok.decode(produced[start:])[len(tok.decode(produced[start:seen])):])
 
 
 def _join_job(launch: Launch, device: torch.device) -> bool:
@@ -375,6 +393,9 @@ def evaluate(model_path: Path, data_path: Path | None, tasks: str | None, split:
     if misplaced:
         raise ZayaError(f"{', '.join(misplaced)} {'does' if len(misplaced) == 1 else 'do'} not apply to "
                         f"{'--tasks' if tasks is not None else '--data'}")
+    from zaya.evals.heldout import check_task_sizes
+
+    check_task_sizes(batch_size, limit, num_fewshot)  # before anything loads (--data's sizes: evaluate_model)
     if data_path is not None:
         from zaya.evals.heldout import evaluate_model
 

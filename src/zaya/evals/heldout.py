@@ -12,6 +12,38 @@ from zaya.data.loss_mask import inputs_and_targets
 from zaya.errors import ZayaError
 from zaya.infer.loading import load_model
 from zaya.model.loss import IGNORE_INDEX
+from zaya.schema import shown
+
+# Bounds on what one evaluation may ask for, checked before anything is loaded: a batch holds at most as many
+# rows as a training micro-batch may (zaya.config.LIMITS) and at most 2**20 tokens (one forward pass over them
+# already needs gigabytes of activations on a small model); the count of batches bounds nothing but time.
+MAX_BATCH_SIZE = 2**16
+MAX_BATCH_TOKENS = 2**20
+MAX_BATCHES = 2**31
+# lm-evaluation-harness runs (--tasks): more examples per task and more shots per prompt than any benchmark has
+MAX_LIMIT = 2**24
+MAX_FEWSHOT = 1024
+
+
+def check_task_sizes(batch_size: int, limit: int | None, num_fewshot: int | None) -> None:
+    """Refuse `--batch-size`, `--limit` and `--num-fewshot` above their bounds, before anything is loaded."""
+    for flag, value, high in (("--batch-size", batch_size, MAX_BATCH_SIZE), ("--limit", limit, MAX_LIMIT),
+                              ("--num-fewshot", num_fewshot, MAX_FEWSHOT)):
+        if value is not None and value > high:
+            raise ZayaError(f"{flag} must be at most {high:,}, got {shown(value)}")
+
+
+def check_sizes(seq_len: int, batch_size: int, max_batches: int | None) -> None:
+    """Refuse `--seq-len`, `--batch-size` and `--max-batches` out of their ranges, in one line naming the flag."""
+    for flag, value, high in (("--seq-len", seq_len, MAX_BATCH_TOKENS), ("--batch-size", batch_size, MAX_BATCH_SIZE),
+                              ("--max-batches", max_batches, MAX_BATCHES)):
+        if value is None and flag == "--max-batches":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+            raise ZayaError(f"{flag} must be an integer in 1..{high:,}, got {shown(value)}")
+    if seq_len * batch_size > MAX_BATCH_TOKENS:
+        raise ZayaError(f"--batch-size {batch_size:,} x --seq-len {seq_len:,} is {seq_len * batch_size:,} tokens a "
+                        f"batch, more than the bound {MAX_BATCH_TOKENS:,}")
 
 
 @torch.no_grad()
@@ -22,8 +54,13 @@ def evaluate_model(model_path: str | Path, data_path: str | Path, *, split: str 
     tokens of a chat dataset: those its loss mask keeps).
 
     With `record`, a model inside a run directory also gets a "heldout" line in RUN_DIR/evals.jsonl
-    (`zaya.evals.records`)."""
+    (`zaya.evals.records`). The sizes are bounded (`check_sizes`), and `seq_len` by the model's
+    `max_position_embeddings`."""
+    check_sizes(seq_len, batch_size, max_batches)
     model = load_model(model_path, device=device)
+    limit = model.config.max_position_embeddings
+    if seq_len > limit:
+        raise ZayaError(f"--seq-len {seq_len:,} is more than the model's max_position_embeddings ({limit:,})")
     loader = TokenLoader([(data_path, 1.0)], seq_len, seed=0, split=split, prefetch=0)
     try:
         loader.check_vocab(model.config.vocab_size)

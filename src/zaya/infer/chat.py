@@ -23,6 +23,7 @@ from zaya.data.tokenizer import added_tokens
 from zaya.errors import ZayaError
 from zaya.infer.hf_files import chat_template_of, special_tokens_of
 from zaya.model.config import ZayaConfig
+from zaya.schema import shown
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,25 @@ def require_chat_template(model_dir: Path) -> str:
 def chat_prompt(template: str, model_dir: Path, tokenizer: Tokenizer, config: ZayaConfig, text: str) -> ChatPrompt:
     """`text` as the user's message of a new conversation, rendered and encoded (see the module docstring)."""
     specials = special_tokens_of(model_dir, tokenizer, config)
-    chat = ChatFormat.create(template, bos_token=specials.bos.text if specials.bos else None,
-                             eos_token=specials.eos.text if specials.eos else None, tokens=added_tokens(tokenizer),
-                             source=f"{model_dir}'s chat template")
-    rendered = chat.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    try:
+        chat = ChatFormat.create(template, bos_token=specials.bos.text if specials.bos else None,
+                                 eos_token=specials.eos.text if specials.eos else None,
+                                 tokens=added_tokens(tokenizer), source=f"{model_dir}'s chat template")
+        rendered = chat.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    except ZayaError:
+        raise
+    except Exception as exc:  # whatever the template raises (raise_exception, a sandbox refusal) is its problem
+        raise ZayaError(f"{model_dir}'s chat template fails on this prompt ({_first_line(exc)})") from None
     end = tokenizer.token_to_id(chat.end_of_turn)
     if end is None:
-        raise ZayaError(f"{model_dir}: the chat template ends a turn with {chat.end_of_turn!r}, which is not a "
-                        "token of the tokenizer")
+        raise ZayaError(f"{model_dir}: the chat template ends a turn with {shown(chat.end_of_turn)}, which is not "
+                        "a token of the tokenizer")
     return ChatPrompt(rendered, tokenizer.encode(rendered, add_special_tokens=False).ids, end)
+
+
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception's message for a one-line error: its first line, cut to `limit` characters (a template can
+    raise a message of any size)."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return first if len(first) <= limit else first[: limit - 3] + "..."

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zaya.errors import ZayaError
-from zaya.infer.generate import Sampling, check_prompt, decode_loop
+from zaya.infer.generate import Sampling, check_allowed, check_length, check_prompt, decode_loop
 from zaya.model.attention import AttentionCache, CompressedConvAttention, DecodeCache
 from zaya.model.transformer import Zaya
 from zaya.parallel.comm import CommCounter, all_reduce, broadcast, ring_shift
@@ -99,8 +99,9 @@ class ShardedDecoder:
         Returns the logits [B, V] after its last token."""
         if self.position:
             raise ZayaError("this sharded decoder has already taken its prompt")
-        prompt_ids = prompt_ids.to(self._device)
         check_prompt(prompt_ids, self.model.config.vocab_size)
+        check_length(self.model.config, prompt_ids.shape[1], 0)
+        prompt_ids = prompt_ids.to(self._device)
         T = prompt_ids.shape[1]
         sharded = self.sharded_length(T)
         logits = None
@@ -142,6 +143,9 @@ class ShardedDecoder:
     def step(self, token: Tensor) -> Tensor:
         """Feed one token per row [B] (the same on every rank); returns the logits [B, V] after it."""
         model = self.model
+        if self.position >= model.config.max_position_embeddings:
+            raise ZayaError(f"the sequence has reached the model's max_position_embeddings "
+                            f"({model.config.max_position_embeddings:,}): no position is left for another token")
         ids = token.to(self._device).view(-1, 1)
         positions = torch.tensor([self.position], device=self._device)
         rope = (*model.rotary(positions), model.rotary.partner)
@@ -241,19 +245,24 @@ def generate_sharded(
     eos_token_id: int | None = None,
     on_token: Callable[[Tensor], None] | None = None,
     counter: CommCounter | None = None,
+    allowed: Tensor | None = None,
 ) -> Tensor:
     """`zaya.infer.generate.generate` with the KV cache split along the sequence over `group`: every rank
     calls it with the same model and arguments and gets the same tokens [B, n]; a seeded sampling draws the
     same tokens as the single-process `generate` (each rank draws from its own generator of that seed, and
     the owner's choice is broadcast). See the module docstring for the kernels."""
     sampling = sampling or Sampling()
-    if max_new_tokens < 0:
-        raise ZayaError(f"max-new-tokens must be >= 0, got {max_new_tokens}")
+    if not isinstance(sampling, Sampling):
+        raise ZayaError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    check_prompt(prompt_ids, model.config.vocab_size)
+    check_length(model.config, prompt_ids.shape[1], max_new_tokens)
+    check_allowed(allowed, model.config.vocab_size)
     decoder = ShardedDecoder(model, group, kernel=kernel, counter=counter)
     device = model.embed.weight.device
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
     logits = decoder.prefill(prompt_ids)
+    allowed = allowed.to(device) if allowed is not None else None
     return decode_loop(logits, decoder.step, max_new_tokens, sampling, generator, eos_token_id=eos_token_id,
-                       on_token=on_token, agree=decoder.agree, prompt_ids=prompt_ids)
+                       on_token=on_token, agree=decoder.agree, prompt_ids=prompt_ids, allowed=allowed)
