@@ -4,6 +4,7 @@ import dataclasses
 import re
 import subprocess
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,3 +184,46 @@ def test_python_m_prints_the_reference():
     result = subprocess.run([sys.executable, "-m", "zaya.config_docs"], capture_output=True, text=True, timeout=300,
                             check=True)
     assert result.stdout == render()
+
+
+def _numbers(cls, prefix: str):
+    """(range key, hint, default) of every int and float field under dataclass `cls` (N: an entry of a list)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint, key = hints[f.name], f"{prefix}{f.name}"
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(hint):
+            yield from _numbers(hint, key + ".")
+        elif typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            yield from _numbers(typing.get_args(hint)[0], key + ".N.")
+        elif typing.get_origin(hint) is tuple:
+            (item,) = set(typing.get_args(hint))
+            for value in default or ():
+                yield key + ".N", item, value
+        elif hint in (int, float):
+            yield key, hint, default
+
+
+def test_every_number_has_a_range_that_holds_its_default_and_is_documented():
+    from zaya.config import RANGES
+    from zaya.model.config import FLOAT_RANGES, SIZE_LIMITS
+
+    numbers = [n for n in _numbers(RunConfig, "") if not n[0].startswith(("model.", "source"))]
+    assert {key for key, _, _ in numbers} == set(RANGES)  # every number has a range, every range a number
+    for key, _, default in numbers:
+        assert default is None or RANGES[key].holds(default), (key, default)
+    model = {f.name for f in dataclasses.fields(ZayaConfig) if f.type in ("int", "float", int, float)}
+    assert model == {*SIZE_LIMITS, *FLOAT_RANGES, "pad_token_id", "bos_token_id", "eos_token_id"}
+    documented = dict(config_docs.range_rows())
+    assert set(documented) == set(RANGES) | {f"model.{name}" for name in model}
+    table = DOCS.read_text(encoding="utf-8").split("## Ranges", 1)[1]
+    for key, text in documented.items():
+        assert f"| `{key}` | {text} |" in table, key
+
+
+def test_the_shipped_configs_are_inside_every_range():
+    # ZAYA1's own config, the largest, and the small ones: no real run is refused by a range
+    for path in sorted((Path(__file__).parents[1] / "configs").glob("*.toml")):
+        load_config(path)

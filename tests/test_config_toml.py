@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from zaya.config import Phase, Source, load_config
+from zaya.config import Phase, Source, load_config, phase_name_problem
 from zaya.config_toml import to_toml, toml_value
 from zaya.errors import ZayaError
 
@@ -86,10 +86,13 @@ cp = 2
 def test_special_strings_round_trip(text, tmp_path):
     path = _write(tmp_path, "[data]\npath = \"x\"\n")
     config = load_config(path)
-    config.data.path = "data/" + text  # data.path may not be empty
+    name = text.replace("\x00", "")  # no path can hold a NUL
+    config.data.path = "data/" + name  # data.path may not be empty
     config.logging.wandb_name = text
-    config.checkpoint.dir = text
-    config.phases = [Phase(name=text, sources=[Source(text, 0.5), Source("data/" + text)])]
+    config.checkpoint.dir = name
+    # a phase's name names a file of the run directory: printable, no separator
+    phase = text if phase_name_problem(text) is None else "special"
+    config.phases = [Phase(name=phase, sources=[Source(name, 0.5), Source("data/" + name)])]
     assert _reload(config, tmp_path).to_dict() == config.to_dict()
 
 

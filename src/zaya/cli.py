@@ -302,7 +302,7 @@ def convert(src: Path, dst: Path, layout: str, dtype: str | None, max_shard_size
 @click.argument("config_path", metavar="CONFIG", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config key, e.g. --set optim.lr=3e-3 (repeatable).")
-@click.option("--run-dir", type=click.Path(path_type=Path), default=None,
+@click.option("--run-dir", type=click.Path(), default=None,
               help="Where the run writes everything (default: runs/<config name>). Resumes if it holds a checkpoint.")
 @click.option("--allow-data-change", is_flag=True, help="Resume even though the data fingerprint changed.")
 @click.option("--allow-tokenizer-change", is_flag=True,
@@ -310,7 +310,7 @@ def convert(src: Path, dst: Path, layout: str, dtype: str | None, max_shard_size
 @click.option("--print-param-groups", is_flag=True, help="Print the optimizer's parameter split and exit.")
 @click.option("--print-config", is_flag=True,
               help="Print the resolved config (defaults and --set applied) as TOML and exit, writing nothing.")
-def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, allow_data_change: bool,
+def train(config_path: Path, overrides: tuple[str, ...], run_dir: str | None, allow_data_change: bool,
           allow_tokenizer_change: bool, print_param_groups: bool, print_config: bool) -> None:
     """Train (or resume training) a model from a TOML run config; under torchrun, one process per device."""
     from zaya.config import load_config
@@ -336,11 +336,12 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: Path | None, a
             model = Zaya(config.model_config())
         click.echo(describe_param_groups(model, config.optim))
         return
-    from zaya.training import TrainingJob
+    from zaya.training import TrainingJob, check_run_dir
 
-    run_dir = run_dir or Path("runs") / config_path.stem
     # every rank checks its config and inputs; bad input on any of them stops all of them, reported once
     with launch.startup():
+        # as given: an empty --run-dir (an unset variable) is refused, not taken as the working directory
+        run_dir = Path("runs") / config_path.stem if run_dir is None else check_run_dir(run_dir)
         config = load_config(config_path, list(overrides))
         job = TrainingJob.check(config, run_dir, launch=launch, environ=os.environ,
                                 allow_data_change=allow_data_change, allow_tokenizer_change=allow_tokenizer_change)

@@ -37,6 +37,9 @@ from zaya.model.presets import ModelSection
 from zaya.optim.config import OptimConfig
 from zaya.optim.schedule import ScheduleConfig
 from zaya.parallel.config import ACTIVATION_CHECKPOINTING, ParallelConfig
+from zaya.ranges import Range
+from zaya.reading import MAX_DEPTH, check_depth, read_toml
+from zaya.schema import shown, type_name
 from zaya.train.config import (
     COMPILE_CHOICES,
     PRECISIONS,
@@ -115,23 +118,16 @@ class RunConfig:
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read a TOML run config and apply `key.path=value` overrides (values parsed as TOML, else strings)."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ZayaError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise ZayaError(f"{path}: a directory, not a TOML run config") from None
-    except OSError as exc:
-        raise ZayaError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ZayaError(f"{path}: not valid TOML ({exc})") from None
+    raw = read_toml(path, "config", "a TOML run config")
     for item in overrides:
         _apply_override(raw, item, path)
     schedule = raw.setdefault("schedule", {})
+    train = raw.get("train")
     if isinstance(schedule, dict) and "total_steps" not in schedule:
-        # the schedule spans the run unless it says otherwise
-        max_steps = raw.get("train", {}).get("max_steps", TrainSection.max_steps)
-        if isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps > 0:
+        # the schedule spans the run unless it says otherwise (a max_steps out of range is refused below)
+        max_steps = train.get("max_steps", TrainSection.max_steps) if isinstance(train, dict) else None
+        if isinstance(max_steps, int) and not isinstance(max_steps, bool) and RANGES["train.max_steps"].holds(
+                max_steps):
             schedule["total_steps"] = max_steps
     model = raw.get("model")
     if isinstance(model, dict):
@@ -145,28 +141,59 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
 
 
 def _apply_override(raw: dict, item: str, path: Path) -> None:
+    if "\n" in item or "\r" in item:
+        # parsed as the TOML `v = VALUE`, a line break would end the value and drop (or add) what follows
+        raise ZayaError(f"--set {shown(item)}: a value may not hold a line break")
     if "=" not in item:
-        raise ZayaError(f"--set {item!r}: expected key.path=value")
+        raise ZayaError(f"--set {shown(item)}: expected key.path=value")
     key, text = item.split("=", 1)
-    _check_override_key(key.strip(), item)
+    key = key.strip()
+    _check_override_key(key, item)
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text
-    parts = key.strip().split(".")
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise ZayaError(f"--set {key}: not a value zaya reads ({str(exc).split(';')[0][:120]})") from None
+    except RecursionError:
+        raise ZayaError(f"--set {key}: the value is nested more than {MAX_DEPTH} deep") from None
+    check_depth(value, f"--set {key}", MAX_DEPTH)
+    parts = key.split(".")
     node: Any = raw
+    hint: Any = RunConfig
     for i, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: i + 1])
+        hint = _field_hint(hint, part)
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
-                raise ZayaError(f"--set {key}: no entry {part} in '{'.'.join(parts[:i])}' of {path}")
+                table = ".".join(parts[:i])
+                raise ZayaError(f"--set {key}: '{table}' of {path} has no entry {part} (it has {len(node)}: "
+                                f"0..{len(node) - 1})" if node else f"--set {key}: '{table}' of {path} is empty")
             node = node[int(part)]
+        elif typing.get_origin(hint) is list and part not in node:
+            # an array of tables: --set changes an entry the file has, it does not make one
+            header = ".".join(p for p in parts[: i + 1] if not p.isdigit())
+            raise ZayaError(f"--set {key}: {path} has no [[{header}]]; add the entries to the file, then --set "
+                            "their keys")
         else:
             node = node.setdefault(part, {})
+        if typing.get_origin(hint) is list and not isinstance(node, list):
+            raise ZayaError(f"--set {key}: '{where}' of {path} is not an array of tables")
         if not isinstance(node, (dict, list)):
-            raise ZayaError(f"--set {key}: '{'.'.join(parts[: i + 1])}' is not a table")
+            raise ZayaError(f"--set {key}: '{where}' is not a table")
     if isinstance(node, list):
         raise ZayaError(f"--set {key}: cannot replace a list entry")
     node[parts[-1]] = value
+
+
+def _field_hint(hint: Any, part: str) -> Any:
+    """The type of `part` inside a value of type `hint` (an entry of a list, a field of a section); Any once inside
+    a free-form table."""
+    if typing.get_origin(hint) is list:
+        return typing.get_args(hint)[0]
+    if dataclasses.is_dataclass(hint) and hint is not ModelSection:
+        return typing.get_type_hints(hint).get(part, Any)
+    return Any
 
 
 def _check_override_key(key: str, item: str) -> None:
@@ -208,17 +235,23 @@ def _nearest(name: str, names, prefix: str) -> str:
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
+def _shown_key(key: str) -> str:
+    # a quoted TOML key may hold anything, a line break or a megabyte among it: the message stays one short line
+    return key if key.isprintable() and len(key) <= 200 else repr(key)[1:-1][:200]
+
+
 def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(data, dict):
-        raise ZayaError(f"{source}: '{where}' must be a table")
+        raise ZayaError(f"{source}: '{where}' must be a table, got {type_name(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     for key in data:
         if f"{prefix}{key}" in MOVED_KEYS:
             raise ZayaError(f"{source}: key '{prefix}{key}' moved to '{MOVED_KEYS[prefix + key]}'")
         if key not in fields:
-            raise ZayaError(f"{source}: unknown key '{prefix}{key}'{_nearest(key, fields, prefix.rstrip('.'))}")
+            raise ZayaError(f"{source}: unknown key '{_shown_key(prefix + key)}'"
+                            f"{_nearest(key, fields, prefix.rstrip('.'))}")
     values = {key: _convert(hints[key], value, source, f"{prefix}{key}") for key, value in data.items()}
     try:
         return cls(**values)
@@ -233,16 +266,18 @@ def _convert(hint: Any, value: Any, source: str, key: str) -> Any:
     if origin is list:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):
-            raise ZayaError(f"{source}: key '{key}' must be a list")
+            what = "an array of tables" if dataclasses.is_dataclass(item) else "a list"
+            raise ZayaError(f"{source}: key '{key}' must be {what}, got {type_name(value)}")
         return [_convert(item, v, source, f"{key}.{i}") for i, v in enumerate(value)]
     if origin is tuple:
         items = typing.get_args(hint)
         if not isinstance(value, list) or len(value) != len(items):
-            raise ZayaError(f"{source}: key '{key}' must be a list of {len(items)} values")
+            raise ZayaError(f"{source}: key '{key}' must be a list of {len(items)} values, got "
+                            f"{f'{len(value)} values' if isinstance(value, list) else type_name(value)}")
         return tuple(_convert(t, v, source, f"{key}.{i}") for i, (t, v) in enumerate(zip(items, value, strict=True)))
     if origin is dict:
         if not isinstance(value, dict):
-            raise ZayaError(f"{source}: key '{key}' must be a table")
+            raise ZayaError(f"{source}: key '{key}' must be a table, got {type_name(value)}")
         return dict(value)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -257,93 +292,183 @@ def _convert(hint: Any, value: Any, source: str, key: str) -> Any:
     if hint is Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        value = float(value) if abs(value) < 2**1000 else math.inf  # float() of a longer integer overflows
     if hint is float and isinstance(value, float) and not math.isfinite(value):
         raise ZayaError(f"{source}: key '{key}' must be a finite number, got {value}")
     if hint in _TYPE_NAMES:
         if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-            raise ZayaError(f"{source}: key '{key}' must be {_TYPE_NAMES[hint]}, got {value!r}")
+            raise ZayaError(f"{source}: key '{key}' must be {_TYPE_NAMES[hint]}, got {shown(value)}")
+        if hint in (int, float):
+            _check_range(value, source, key, hint is int)
         return value
-    raise ZayaError(f"{source}: key '{key}' has an unsupported value {value!r}")
+    raise ZayaError(f"{source}: key '{key}' has an unsupported value {shown(value)}")
 
 
-# Upper bounds checked before anything is built: far above any real run, low enough that a typo (an extra
-# digit, a value in the wrong unit) is refused in one line instead of filling the memory.
-LIMITS = {"train.micro_batch_size": 2**16, "train.global_batch_size": 2**24, "train.eval_batches": 2**20,
-          "data.seq_len": 2**24, "data.ramp_start": 2**24, "data.ramp_increment": 2**24, "phases.N.seq_len": 2**24,
-          "phases.N.cp": 2**12}
+# The range of every number of a run config (the model's fields: zaya.model.config), by its dotted key (N: an
+# entry of a list). Each is far beyond any real run (ZAYA1's config among them), and tight enough that a typo, a
+# value in the wrong unit or a hostile one is refused in one line instead of training on NaN, filling the memory
+# or overflowing what it reaches (a timer, a tensor's size, an int64). A test checks that every int and float key
+# has one; docs/configuration.md lists them.
+STEPS = 10**12  # steps, and cadences counted in steps
+COUNT = 2**62  # tokens and sequences, summed over a run
+YEAR_S = 366 * 86_400.0  # a timeout or a time limit of one process
+RANKS = 2**20
+STEP_TOKENS = 2**32  # tokens of one optimizer step (ZAYA1's: 2**23 to 2**26)
+RANGES: dict[str, Range] = {
+    "data.seq_len": Range(1, 2**24),
+    "data.ramp_start": Range(0, 2**24),
+    "data.ramp_increment": Range(0, 2**24),
+    "data.ramp_samples": Range(0, COUNT),
+    "data.block_size": Range(1, 2**24),
+    "data.group_blocks": Range(1, 2**24),
+    "train.seed": Range(0, 2**63 - 1),
+    "train.max_steps": Range(1, STEPS),
+    "train.micro_batch_size": Range(1, 2**16),
+    "train.global_batch_size": Range(1, 2**24),
+    "train.grad_clip": Range(0.0, 1e6),
+    "train.eval_every": Range(0, STEPS),
+    "train.eval_batches": Range(1, 2**20),
+    "train.max_time_s": Range(0.0, YEAR_S),
+    "train.time_budget_s": Range(0.0, 10 * YEAR_S),  # summed over the resumes of a run
+    "train.stop_grace_s": Range(0.0, YEAR_S),
+    "optim.lr": Range(0.0, 10.0, lo_open=True),
+    "optim.weight_decay": Range(0.0, 10.0),
+    "optim.adamw_lr": Range(0.0, 10.0, lo_open=True),
+    "optim.vector_lr_ratio": Range(0.0, 100.0, lo_open=True),
+    "optim.adamw_betas.N": Range(0.0, 1.0, hi_open=True),
+    "optim.adamw_eps": Range(1e-30, 1.0),  # smaller rounds to 0 in fp32: 0 / 0 where a state is 0
+    "optim.momentum": Range(0.0, 1.0, hi_open=True),
+    "optim.ns_steps": Range(1, 99),
+    "optim.ns_coefficients.N": Range(-100.0, 100.0),
+    "optim.ns_eps": Range(1e-30, 1.0),
+    "schedule.total_steps": Range(1, STEPS),
+    "schedule.warmup_steps": Range(0, STEPS),
+    "schedule.decay_fraction": Range(0.0, 1.0),
+    "schedule.min_ratio": Range(0.0, 1.0),
+    "balance.kp": Range(0.0, 100.0),
+    "balance.ki": Range(0.0, 100.0),
+    "balance.kd": Range(0.0, 100.0),
+    "checkpoint.every": Range(1, STEPS),
+    "checkpoint.keep": Range(1, 10**6),
+    "checkpoint.timeout_s": Range(0.0, YEAR_S),
+    "logging.log_every": Range(1, STEPS),
+    "parallel.dp_replicate": Range(1, RANKS),
+    "parallel.dp_shard": Range(1, RANKS, also=-1),
+    "parallel.cp": Range(1, 2**12),
+    "parallel.ep": Range(1, 2**14),
+    "parallel.timeout_s": Range(0.0, YEAR_S, lo_open=True),
+    "parallel.init_timeout_s": Range(0.0, YEAR_S, lo_open=True),
+    "phases.N.tokens": Range(0, COUNT),
+    "phases.N.seq_len": Range(0, 2**24),
+    "phases.N.lr_scale": Range(0.0, 10.0, lo_open=True),
+    "phases.N.rope_theta": Range(1.0, 1e12, also=0.0),
+    "phases.N.cp": Range(0, 2**12),
+    "phases.N.sources.N.weight": Range(0.0, 1e6, lo_open=True),
+}
 
 
-def _positive(config: RunConfig, key: str, value: int | float, allow_zero: bool = False) -> None:
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ZayaError(f"{config.source}: key '{key}' must be {'>= 0' if allow_zero else 'positive'}, got {value}")
-    bound = LIMITS.get(".".join("N" if part.isdigit() else part for part in key.split(".")))
-    if bound is not None and value > bound:
-        raise ZayaError(f"{config.source}: key '{key}' = {value} is above the bound {bound:,}")
+def range_key(key: str) -> str:
+    """The key of `RANGES` for a dotted key: list indices as N (`phases.2.seq_len` -> `phases.N.seq_len`)."""
+    return ".".join("N" if part.isdigit() else part for part in key.split("."))
+
+
+def _check_range(value: int | float, source: str, key: str, integer: bool) -> None:
+    bounds = RANGES.get(range_key(key))
+    if bounds is not None and not bounds.holds(value):
+        kind = "an integer" if integer else "a number"
+        raise ZayaError(f"{source}: key '{key}' must be {kind} in {bounds.text(integer)}, got {shown(value)}")
 
 
 def _validate(config: RunConfig) -> None:
-    config.model_config()  # the preset exists and the overrides make a valid model
+    """What no single value says: the choices of the string keys, and the keys that must agree (every number is in
+    its range by now: `_convert`)."""
+    source = config.source
+    model = config.model_config()  # the preset exists and the overrides make a valid model
     train = config.train
-    for key in ("max_steps", "micro_batch_size", "global_batch_size", "eval_batches"):
-        _positive(config, f"train.{key}", getattr(train, key))
-    _positive(config, "train.eval_every", train.eval_every, allow_zero=True)
-    _positive(config, "train.grad_clip", train.grad_clip, allow_zero=True)
-    if train.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        raise ZayaError(f"{config.source}: key 'train.activation_checkpointing' must be one of "
-                        f"{', '.join(ACTIVATION_CHECKPOINTING)}, got {train.activation_checkpointing!r}")
-    config.parallel.validate(config.source)
-    if train.precision not in PRECISIONS:
-        raise ZayaError(f"{config.source}: key 'train.precision' must be one of {', '.join(PRECISIONS)}, "
-                        f"got {train.precision!r}")
-    _positive(config, "train.max_time_s", train.max_time_s, allow_zero=True)
-    _positive(config, "train.time_budget_s", train.time_budget_s, allow_zero=True)
-    _positive(config, "train.stop_grace_s", train.stop_grace_s, allow_zero=True)
+    for key, allowed in (("train.activation_checkpointing", ACTIVATION_CHECKPOINTING), ("train.precision", PRECISIONS),
+                         ("logging.wandb_mode", WANDB_MODES), ("balance.error", ("linear", "sign"))):
+        value = _lookup(config, key)
+        if value not in allowed:
+            raise ZayaError(f"{source}: key '{key}' must be one of {', '.join(repr(a) for a in allowed)}, "
+                            f"got {shown(value)}")
+    config.parallel.validate(source)
     if train.time_budget_s and config.schedule.kind != "wsd":
-        raise ZayaError(f"{config.source}: train.time_budget_s needs schedule.kind = 'wsd' (its decay is timed), "
-                        f"got {config.schedule.kind!r}")
-    if config.logging.wandb_mode not in WANDB_MODES:
-        raise ZayaError(f"{config.source}: key 'logging.wandb_mode' must be one of "
-                        f"{', '.join(repr(m) for m in WANDB_MODES)}, got {config.logging.wandb_mode!r}")
+        raise ZayaError(f"{source}: train.time_budget_s needs schedule.kind = 'wsd' (its decay is timed), "
+                        f"got {shown(config.schedule.kind)}")
     if train.compile not in COMPILE_CHOICES:
-        raise ZayaError(f"{config.source}: key 'train.compile' must be true, false or \"auto\", got {train.compile!r}")
+        raise ZayaError(f"{source}: key 'train.compile' must be true, false or \"auto\", got {shown(train.compile)}")
     if train.global_batch_size % train.micro_batch_size:
-        raise ZayaError(f"{config.source}: train.global_batch_size ({train.global_batch_size}) is not a multiple of "
+        raise ZayaError(f"{source}: train.global_batch_size ({train.global_batch_size}) is not a multiple of "
                         f"train.micro_batch_size ({train.micro_batch_size})")
-    if not 0 <= train.seed < 2**63:
-        raise ZayaError(f"{config.source}: key 'train.seed' must be in [0, 2**63), got {train.seed}")
-    for key in ("kp", "ki", "kd"):
-        _positive(config, f"balance.{key}", getattr(config.balance, key), allow_zero=True)
-    _positive(config, "data.seq_len", config.data.seq_len)
-    for key in ("ramp_start", "ramp_increment", "ramp_samples"):
-        _positive(config, f"data.{key}", getattr(config.data, key), allow_zero=True)
-    _positive(config, "data.block_size", config.data.block_size)
-    _positive(config, "data.group_blocks", config.data.group_blocks)
-    _positive(config, "checkpoint.every", config.checkpoint.every)
-    _positive(config, "checkpoint.keep", config.checkpoint.keep)
-    _positive(config, "checkpoint.timeout_s", config.checkpoint.timeout_s, allow_zero=True)
-    _positive(config, "logging.log_every", config.logging.log_every)
-    if config.balance.error not in ("linear", "sign"):
-        raise ZayaError(f"{config.source}: key 'balance.error' must be 'linear' or 'sign'")
+    for key in PATH_KEYS:
+        for where, value in _values(config, key):
+            if "\0" in value:
+                raise ZayaError(f"{source}: key '{where}' holds a NUL character, which no path can")
     if not config.data.path and any(not p.sources for p in config.phases or [Phase()]):
-        raise ZayaError(f"{config.source}: key 'data.path' is required (or give every phase its sources)")
-    names = [p.name for p in config.phases]
-    if len(set(names)) != len(names):
-        raise ZayaError(f"{config.source}: phase names must be unique, got {names}")
+        raise ZayaError(f"{source}: key 'data.path' is required (or give every phase its sources)")
+    names = set()
     for i, phase in enumerate(config.phases):
-        _positive(config, f"phases.{i}.tokens", phase.tokens, allow_zero=True)
-        _positive(config, f"phases.{i}.seq_len", phase.seq_len, allow_zero=True)
-        _positive(config, f"phases.{i}.lr_scale", phase.lr_scale)
-        _positive(config, f"phases.{i}.rope_theta", phase.rope_theta, allow_zero=True)
-        _positive(config, f"phases.{i}.cp", phase.cp, allow_zero=True)
-        for j, source in enumerate(phase.sources):
-            _positive(config, f"phases.{i}.sources.{j}.weight", source.weight)
+        problem = phase_name_problem(phase.name)
+        if problem:
+            raise ZayaError(f"{source}: key 'phases.{i}.name' = {shown(phase.name)}: {problem}")
+        if phase.name in names:
+            raise ZayaError(f"{source}: phase names must be unique; '{phase.name}' is the name of two phases")
+        names.add(phase.name)
         if phase.tokens == 0 and i != len(config.phases) - 1:
-            raise ZayaError(f"{config.source}: phase '{phase.name}' needs a token budget (only the last may be open)")
+            raise ZayaError(f"{source}: phase '{phase.name}' needs a token budget (only the last may be open)")
     if config.train.init_from and config.phases and config.phases[0].init_from:
-        raise ZayaError(f"{config.source}: train.init_from and phases.0.init_from both say where the run starts; "
-                        "set one")
-    for phase in config.resolved_phases():
+        raise ZayaError(f"{source}: train.init_from and phases.0.init_from both say where the run starts; set one")
+    data = config.data
+    try:
+        ramp_for(data.ramp_start, data.ramp_increment, train.global_batch_size, data.ramp_samples)
+    except ZayaError as exc:
+        raise ZayaError(f"{source}: data.ramp_* with train.global_batch_size: {exc}") from None
+    configured = config.phases or [Phase()]
+    for i, phase in enumerate(config.resolved_phases()):
+        if train.global_batch_size * phase.seq_len > STEP_TOKENS:
+            raise ZayaError(f"{source}: train.global_batch_size x seq_len = {train.global_batch_size:,} x "
+                            f"{phase.seq_len:,} tokens a step (phase '{phase.name}'), more than {STEP_TOKENS:,}")
         if phase.isolate_documents and phase.cp > 1:
-            raise ZayaError(f"{config.source}: phase '{phase.name}' keeps documents apart (isolate_documents) "
+            raise ZayaError(f"{source}: phase '{phase.name}' keeps documents apart (isolate_documents) "
                             f"with cp = {phase.cp}; context parallelism does not split packed documents yet")
+        if phase.seq_len > model.max_position_embeddings:
+            # RoPE would go on past it, but the model (and its export) says it is meant for no longer sequences
+            key = f"phases.{i}.seq_len" if configured[i].seq_len else "data.seq_len"
+            raise ZayaError(f"{source}: key '{key}' = {phase.seq_len:,} is longer than model.max_position_embeddings "
+                            f"= {model.max_position_embeddings:,} (the longest sequence the model is meant for); "
+                            "raise that, or shorten the sequences")
+
+
+# the keys that name a file or a directory
+PATH_KEYS = ("data.path", "train.init_from", "checkpoint.dir", "phases.N.init_from", "phases.N.sources.N.path")
+_PHASE_NAME_LENGTH = 128
+
+
+def phase_name_problem(name: str) -> str | None:
+    """What is wrong with `name` as a phase's name (None if nothing): it names the phase in logs, in a checkpoint's
+    state and in a file name of the run directory (init_from.NAME.json)."""
+    if not name.strip():
+        return "a phase needs a name"
+    if len(name) > _PHASE_NAME_LENGTH:
+        return f"longer than {_PHASE_NAME_LENGTH} characters"
+    if not name.isprintable() or "/" in name or "\\" in name or name.startswith("."):
+        return "a phase's name is printable, without '/' or '\\', and does not start with '.' (it names a file)"
+    return None
+
+
+def _lookup(config: RunConfig, key: str) -> Any:
+    node: Any = config
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _values(config: RunConfig, key: str) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every entry a `RANGES`-style key (N: each entry of a list) names in `config`."""
+    found: list[tuple[str, Any]] = [("", config)]
+    for part in key.split("."):
+        if part == "N":
+            found = [(f"{where}.{i}", item) for where, node in found for i, item in enumerate(node)]
+        else:
+            found = [(f"{where}.{part}".lstrip("."), getattr(node, part)) for where, node in found]
+    return found

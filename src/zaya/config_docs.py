@@ -25,10 +25,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from zaya.config import MOVED_KEYS, RunConfig
+from zaya.config import MOVED_KEYS, RANGES, RunConfig
 from zaya.config_toml import toml_value
 from zaya.errors import ZayaError
-from zaya.model.config import ZayaConfig
+from zaya.model.config import FLOAT_RANGES, SIZE_LIMITS, ZayaConfig
 from zaya.model.presets import PRESETS, ModelSection, get_preset
 from zaya.optim.config import ADJUST_LR_FNS, NS_BACKENDS, NS_DTYPE_NAMES
 from zaya.optim.schedule import DECAY_SHAPES, SCHEDULES
@@ -241,13 +241,49 @@ training starts, not when the config is loaded.
 
 - `--set key.path=value` (repeatable) overrides a key before the defaults are filled in. The value is read as
   TOML (`--set optim.lr=3e-3`, `--set optim.adamw_betas=[0.9,0.99]`, `--set train.compile=true`) and taken as
-  a plain string when it is not TOML (`--set data.path=data/web`). A key of `[[phases]]` or
-  `[[phases.sources]]` is addressed by the entry's index: `--set phases.0.seq_len=8192`,
+  a plain string when it is not TOML (`--set data.path=data/web`); a value may not hold a line break. A key of
+  `[[phases]]` or `[[phases.sources]]` is addressed by the entry's index: `--set phases.0.seq_len=2048`,
   `--set phases.1.sources.0.weight=0.5` (the entry must exist in the file).
 - `schedule.total_steps` defaults to `train.max_steps`.
 - `zaya train CONFIG --print-config [--set ...]` prints the resolved config (defaults and overrides applied) as
   TOML and exits without training or writing anything; the output loads back as the same config.
 """
+
+
+_RANGES_TEXT = """\
+Every number of a run config must be finite and in its range, or loading the config stops with one line naming
+the key and the range: `1..n` for an integer, `[a, b]` for a number with both bounds (`(a, b]`: not `a`;
+`[a, b)`: not `b`), and `0 or ...` where one value outside means "none" or "keep". The ranges lie far beyond any
+real run (ZAYA1's config among them): a value outside one is a typo, a value in the wrong unit, or one that would
+overflow what it reaches (a timer, an int64, the memory) or train on NaN. A timeout or time limit of one process
+is at most a year (31,622,400 s), the time budget of a run ten; counts of tokens and samples stay below 2**62.
+A sequence may not be longer than `model.max_position_embeddings`, the longest the model is meant for (raise it
+for a long-context phase)."""
+
+
+def range_rows() -> list[tuple[str, str]]:
+    """(key, range) of every bounded number: the model's fields (`zaya.model.config`), then the run config's
+    (`zaya.config.RANGES`)."""
+    hints = typing.get_type_hints(ZayaConfig)
+    rows = [(f"model.{name}", f"1..{limit:,}") for name, limit in SIZE_LIMITS.items()]
+    rows += [(f"model.{name}", bounds.text(integer=hints[name] is int)) for name, bounds in FLOAT_RANGES.items()]
+    rows += [(f"model.{name}", "0..vocab_size - 1") for name in ("pad_token_id", "bos_token_id", "eos_token_id")]
+    for key, bounds in RANGES.items():
+        rows.append((key, bounds.text(integer=_is_integer(key))))
+    return rows
+
+
+def _is_integer(key: str) -> bool:
+    """Whether the run-config key `key` (N: an entry of a list) holds an integer."""
+    hint: Any = RunConfig
+    for part in key.split("."):
+        if part == "N":
+            hint = typing.get_args(hint)[0]
+            continue
+        hint = typing.get_type_hints(hint)[part]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint is int
 
 
 def render() -> str:
@@ -276,6 +312,8 @@ def render() -> str:
             out += _preset_table()
         else:
             out += _table(section.keys)
+    out += ["", "## Ranges", "", _RANGES_TEXT, "", "| key | range |", "| --- | --- |"]
+    out += [f"| `{key}` | {_cell(text)} |" for key, text in range_rows()]
     return "\n".join(out) + "\n"
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from zaya.errors import ZayaError
+from zaya.schema import shown
 
 
 def tune_host_allocator() -> bool:
@@ -50,7 +51,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ZayaError(f"device {device!r}: not a device name (cpu, cuda, cuda:1, ...)") from None
+        raise ZayaError(f"device {shown(device)}: not a device name (cpu, cuda, cuda:1, ...)") from None
+    if resolved.type == "meta":  # shapes without data: a model built there computes nothing
+        raise ZayaError(f"device {shown(str(device))}: holds no data, so nothing runs on it; zaya runs on cpu and "
+                        "cuda (ROCm too) devices")
+    if resolved.type == "cpu" and resolved.index not in (None, 0):
+        raise ZayaError(f"device {shown(str(device))}: the CPU is one device (cpu, or cpu:0)")
     if resolved.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -58,8 +64,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
                             "torch, or no driver)")
         if resolved.index is not None and resolved.index >= count:
             raise ZayaError(f"device {str(device)!r}: this machine has {count} GPU(s), numbered from 0")
-    elif resolved.type not in ("cpu", "meta"):
-        raise ZayaError(f"device {str(device)!r}: zaya runs on cpu and cuda (ROCm too) devices")
+    elif resolved.type != "cpu":
+        raise ZayaError(f"device {shown(str(device))}: zaya runs on cpu and cuda (ROCm too) devices")
     return resolved
 
 

@@ -18,6 +18,8 @@ cache of `zaya shapes`. The trainer and its parts read none of it from the envir
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +35,12 @@ from zaya.parallel.mesh import backend_for
 from zaya.plan.devices import peak_flops
 from zaya.plan.forecast import Forecast
 from zaya.plan.table import cache_dir, default_table_path
+from zaya.reading import os_reason
 from zaya.resilience.faults import FaultInjector
 from zaya.resilience.heartbeat import Heartbeat
 from zaya.resilience.policy import Policy
 from zaya.resilience.supervision import Supervision
+from zaya.schema import shown
 from zaya.train.hooks import Hooks
 from zaya.train.inputs import (
     check_inputs,
@@ -78,19 +82,20 @@ class TrainingJob:
     fingerprints: dict[str, list[str]] | None = None  # each phase's datasets', as the checks read them
 
     @classmethod
-    def check(cls, config: RunConfig, run_dir: Path, *, launch: Launch, environ: Mapping[str, str],
+    def check(cls, config: RunConfig, run_dir: Path | str, *, launch: Launch, environ: Mapping[str, str],
               allow_data_change: bool = False, allow_tokenizer_change: bool = False,
               measure_bf16: Callable[[torch.device], bool] = fast_bf16_matmul) -> TrainingJob:
         """Resolve and check the run on this rank (inside the job's start-up check: a `ZayaError` here stops every
         rank). `measure_bf16` says whether bf16 matmuls are fast on the device (`zaya.device.fast_bf16_matmul`)."""
         launch.init_timeout_s = config.parallel.init_timeout_s  # how long the start-up check waits for the others
-        if Path(run_dir).exists() and not Path(run_dir).is_dir():
-            raise ZayaError(f"{run_dir}: the run directory is a file")
+        run_dir = check_run_dir(run_dir)
+        device = config.train.device
+        device = rank_device(resolve_device(None if device == "auto" else device), launch.local_rank)
         # one job per run directory: rank 0 holds it from before the checkpoints are looked at (a bad one is set
         # aside) until the run ends
         lock = DirectoryLock(Path(run_dir), "zaya train").acquire() if launch.rank == 0 else None
         try:
-            return cls._check(config, run_dir, launch, environ, allow_data_change, allow_tokenizer_change,
+            return cls._check(config, run_dir, device, launch, environ, allow_data_change, allow_tokenizer_change,
                               measure_bf16, lock)
         except BaseException:
             if lock is not None:
@@ -98,10 +103,9 @@ class TrainingJob:
             raise
 
     @classmethod
-    def _check(cls, config, run_dir, launch, environ, allow_data_change, allow_tokenizer_change, measure_bf16,
-               lock) -> TrainingJob:
+    def _check(cls, config, run_dir, device, launch, environ, allow_data_change, allow_tokenizer_change,
+               measure_bf16, lock) -> TrainingJob:
         train = config.train
-        device = rank_device(resolve_device(None if train.device == "auto" else train.device), launch.local_rank)
         supervision = Supervision.from_environ(environ)
         policy = Policy.load(supervision.policy_file)
         check_wandb(config.logging, config.source)  # a missing package stops every rank here, reported once
@@ -162,7 +166,33 @@ class TrainingJob:
         return Trainer(run, dataclasses.replace(trainer_setup, **setup))
 
 
-def build_trainer(config: RunConfig, run_dir: Path, *, launch: Launch | None = None,
+def check_run_dir(run_dir: str | Path) -> Path:
+    """`run_dir` as a path, if it can be a run directory: named (an empty name, an unset shell variable's, would
+    train into the working directory), a directory or nothing yet, reachable (no loop of links, no name too
+    long); else one `ZayaError`. Nothing is written: this comes before the lock and the directory are made."""
+    text = os.fspath(run_dir)
+    if not text.strip():
+        raise ZayaError(f"--run-dir {text!r}: empty; name the run's directory (an unset variable?)")
+    if "\0" in text:
+        raise ZayaError(f"--run-dir {shown(text)}: holds a NUL character, which no path can")
+    path = Path(text)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.lexists(path):
+            raise ZayaError(f"{path}: a symbolic link to nothing; the run directory must be a directory or not "
+                            "exist yet") from None
+        return path
+    except OSError as exc:
+        raise ZayaError(f"{path}: cannot be the run directory ({os_reason(exc)})") from None
+    if stat.S_ISREG(mode):
+        raise ZayaError(f"{path}: the run directory is a file")
+    if not stat.S_ISDIR(mode):
+        raise ZayaError(f"{path}: the run directory is not a directory (a FIFO, socket or device)")
+    return path
+
+
+def build_trainer(config: RunConfig, run_dir: Path | str, *, launch: Launch | None = None,
                   environ: Mapping[str, str] | None = None, allow_data_change: bool = False,
                   measure_bf16: Callable[[torch.device], bool] = fast_bf16_matmul, **setup) -> Trainer:
     """`TrainingJob.check` inside the start-up check, then `trainer(**setup)`: the trainer `zaya train` would run,

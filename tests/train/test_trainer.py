@@ -154,7 +154,7 @@ def test_bad_input_is_refused_with_one_line_and_nothing_written(dataset, tmp_pat
     _assert_refused(_train(write_config(bad, dataset, train={"max_steps": "many"}), run), "train.max_steps")
     _assert_refused(_train(write_config(bad, dataset, model={"preset": "huge"}), run), "model.preset", "huge")
     _assert_refused(_train(write_config(bad, tmp_path / "nowhere"), run), "nowhere")
-    _assert_refused(_train(write_config(bad, dataset, data={"block_size": 0}), run), "data.block_size", "positive")
+    _assert_refused(_train(write_config(bad, dataset, data={"block_size": 0}), run), "data.block_size", "1..16,777,216")
     assert not run.exists()
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from zaya.errors import ZayaError
+from zaya.ranges import Range
+from zaya.schema import shown
 
 SkipRoute = Literal["zero", "identity"]
 
@@ -23,6 +25,17 @@ SIZE_LIMITS = {
     "vocab_size": 2**24, "hidden_size": 2**17, "num_hidden_layers": 2**12, "num_attention_heads": 2**12,
     "num_key_value_heads": 2**12, "head_dim": 2**12, "num_experts": 2**14, "moe_intermediate_size": 2**20,
     "router_hidden_size": 2**16, "cca_time0": 2**6, "cca_time1": 2**6, "max_position_embeddings": 2**26,
+}
+# The ranges of the float fields: wide around every published value (ZAYA1: RoPE base 1e6 and 5e6, epsilon 1e-5,
+# init 0.02, key temperature 0 or 1), narrow enough that a value in the wrong unit or a typo (an init range of
+# 1e30, an epsilon that rounds to 0 in fp32, a RoPE base whose frequencies overflow) is one line instead of a
+# model that trains on NaN.
+FLOAT_RANGES = {
+    "partial_rotary_factor": Range(0.0, 1.0, lo_open=True),
+    "rope_theta": Range(1.0, 1e12),
+    "rms_norm_eps": Range(1e-12, 1.0),
+    "initializer_range": Range(0.0, 1.0, lo_open=True),
+    "temp_init": Range(-100.0, 100.0),
 }
 
 
@@ -107,9 +120,10 @@ class ZayaConfig:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ZayaError(f"{source}: field '{name}' must be a positive integer, got {value!r}")
+                raise ZayaError(f"{source}: field '{name}' must be a positive integer, got {shown(value)}")
             if value > SIZE_LIMITS[name]:
-                raise ZayaError(f"{source}: field '{name}' = {value:,} is above the bound {SIZE_LIMITS[name]:,}")
+                said = f"{value:,}" if value < 10**30 else shown(value)
+                raise ZayaError(f"{source}: field '{name}' = {said} is above the bound {SIZE_LIMITS[name]:,}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ZayaError(
                 f"{source}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -117,31 +131,25 @@ class ZayaConfig:
             )
         if self.key_latent % 2:
             raise ZayaError(f"{source}: num_key_value_heads * head_dim must be even (the value shift splits it in two)")
-        if not (0.0 < self.partial_rotary_factor <= 1.0):
-            raise ZayaError(
-                f"{source}: field 'partial_rotary_factor' must be in (0, 1], got {self.partial_rotary_factor}"
-            )
+        for name, bounds in FLOAT_RANGES.items():
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ZayaError(f"{source}: field '{name}' must be a finite number, got {shown(value)}")
+            if not bounds.holds(value):
+                raise ZayaError(f"{source}: field '{name}' must be in {bounds.text(integer=False)}, got {shown(value)}")
         if self.head_dim * self.partial_rotary_factor != self.rotary_dim or self.rotary_dim % 2:
             raise ZayaError(
                 f"{source}: head_dim * partial_rotary_factor must be an even integer, got "
                 f"{self.head_dim} * {self.partial_rotary_factor}"
             )
-        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-                raise ZayaError(f"{source}: field '{name}' must be a positive number, got {value!r}")
-        if not isinstance(self.temp_init, (int, float)) or isinstance(self.temp_init, bool) or not math.isfinite(
-            self.temp_init
-        ):
-            raise ZayaError(f"{source}: field 'temp_init' must be a finite number, got {self.temp_init!r}")
         if not isinstance(self.fp32_logits, bool):
-            raise ZayaError(f"{source}: field 'fp32_logits' must be true or false, got {self.fp32_logits!r}")
-        if self.skip_route not in ("zero", "identity"):
-            raise ZayaError(f"{source}: field 'skip_route' must be 'zero' or 'identity', got {self.skip_route!r}")
+            raise ZayaError(f"{source}: field 'fp32_logits' must be true or false, got {shown(self.fp32_logits)}")
+        if not isinstance(self.skip_route, str) or self.skip_route not in ("zero", "identity"):
+            raise ZayaError(f"{source}: field 'skip_route' must be 'zero' or 'identity', got {shown(self.skip_route)}")
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
-            if not isinstance(value, int) or not (0 <= value < self.vocab_size):
-                raise ZayaError(f"{source}: field '{name}' must be a token id below vocab_size, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not (0 <= value < self.vocab_size):
+                raise ZayaError(f"{source}: field '{name}' must be a token id below vocab_size, got {shown(value)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -12,6 +12,7 @@ from typing import Any
 
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
+from zaya.schema import shown
 
 _ZAYA1_SHAPE = dict(
     vocab_size=262_272,
@@ -76,12 +77,9 @@ class ModelSection:
 
     def build(self, source: str) -> ZayaConfig:
         if self.preset not in PRESETS:
-            raise ZayaError(f"{source}: model.preset '{self.preset}' does not exist (known: {', '.join(PRESETS)})")
+            raise ZayaError(f"{source}: model.preset {shown(self.preset)} does not exist (known: {', '.join(PRESETS)})")
         known = {f.name for f in dataclasses.fields(ZayaConfig)}
         for key in self.overrides:
             if key not in known:
-                raise ZayaError(f"{source}: unknown key 'model.{key}'")
-        try:
-            return get_preset(self.preset, **self.overrides)
-        except ZayaError as exc:
-            raise ZayaError(f"{source}: {exc}") from None
+                raise ZayaError(f"{source}: unknown key {shown('model.' + key)}")
+        return ZayaConfig.from_dict({**PRESETS[self.preset], **self.overrides}, f"{source}: [model]")

@@ -19,12 +19,15 @@ HSDP -> FSDP).
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from zaya import checkpoint as ckpt
 from zaya.errors import ZayaError
@@ -50,12 +53,6 @@ def train_state(progress: Progress, clock: Any, skeleton: Any, record: dict) -> 
     run config as resolved."""
     return {"state": {**dataclasses.asdict(progress), **dataclasses.asdict(clock)}, "optimizer": skeleton,
             "config": record}
-
-
-def read_state(state: dict, kind: type) -> Any:
-    """The `kind` (Progress, or the stop rules' Clock) of a train_state.json's "state" (fields it lacks: defaults)."""
-    names = {f.name for f in dataclasses.fields(kind)}
-    return kind(**{key: value for key, value in state.items() if key in names})
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, controller_state: ControllerState,
@@ -142,6 +139,74 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if "tuple" in skeleton:
         return tuple(join_tensors(v, tensors) for v in skeleton["tuple"])
     return skeleton["value"]
+
+
+def check_skeleton(skeleton: Any, source: Path) -> None:
+    """`skeleton` is what `split_tensors` makes (read back from `source`, train_state.json), or `ZayaError`: a
+    skeleton of another shape would fail deep inside `restore` instead."""
+    todo = [(skeleton, "optimizer")]
+    while todo:
+        node, where = todo.pop()
+        kinds = [key for key in ("tensor", "dict", "list", "tuple", "value") if isinstance(node, dict) and key in node]
+        if len(kinds) != 1 or len(node) != 1:
+            raise ZayaError(f"{source}: field '{where}' is not a part of an optimizer skeleton")
+        (kind,) = kinds
+        value = node[kind]
+        if kind == "tensor" and not isinstance(value, str):
+            raise ZayaError(f"{source}: field '{where}.tensor' must be a string")
+        if kind == "value" and not (value is None or isinstance(value, (bool, int, float, str))):
+            raise ZayaError(f"{source}: field '{where}.value' must be a JSON scalar")
+        if kind in ("list", "tuple"):
+            if not isinstance(value, list):
+                raise ZayaError(f"{source}: field '{where}.{kind}' must be a list")
+            todo += [(child, f"{where}.{kind}.{i}") for i, child in enumerate(value)]
+        if kind == "dict":
+            pairs = value if isinstance(value, list) else None
+            if pairs is None or not all(isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int))
+                                        and not isinstance(pair[0], bool) for pair in pairs):
+                raise ZayaError(f"{source}: field '{where}.dict' must be a list of [key, value] pairs")
+            todo += [(child, f"{where}.dict.{i}") for i, (_, child) in enumerate(pairs)]
+
+
+def model_tensors(model: torch.nn.Module, controller_state: ControllerState) -> list[torch.Tensor]:
+    """What a checkpoint saves of the model: its parameters and buffers (the balancing biases), and the balancing
+    controller's state."""
+    controller = [t for t in controller_state.state_dict().values() if isinstance(t, torch.Tensor)]
+    return [*model.parameters(), *model.buffers(), *controller]
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors of the optimizer's state (moments, momenta, step counts)."""
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def nonfinite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 if this rank's part of any of `tensors` holds a NaN or an infinity, else 0.0: a 0-d float tensor on
+    `device`, made without waiting for it (the caller reduces it over the ranks, and reads it once)."""
+    peaks = []
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.is_floating_point() and local.numel():
+            # the largest magnitude: NaN if any element is NaN, infinite if any is; no copy of the tensor
+            peaks.append(torch.linalg.vector_norm(local.detach(), ord=math.inf).float().to(device))
+    if not peaks:
+        return torch.zeros((), device=device)
+    return (~torch.isfinite(torch.stack(peaks))).any().float()
+
+
+def check_finite(step: int, model: list[torch.Tensor], optimizer: list[torch.Tensor], device: torch.device,
+                 all_reduce: Callable[[torch.Tensor], None]) -> None:
+    """No checkpoint of NaN: the model's and the optimizer's tensors (`model_tensors`, `optimizer_tensors`) are
+    finite on every rank (one reduction over them, `all_reduce`, and one read: at checkpoint time, so that the step
+    itself never waits for it), or one `ZayaError` on every rank before checkpoint `step` is written."""
+    flags = torch.stack([nonfinite(model, device), nonfinite(optimizer, device)])
+    all_reduce(flags)
+    broken = [what for what, flag in zip(("the model's weights", "the optimizer's state"), flags.tolist(),
+                                         strict=True) if flag]
+    if broken:
+        raise ZayaError(f"step {step}: {' and '.join(broken)} hold NaN or infinite values (a learning rate or an "
+                        f"initialisation too large?); stopping without writing checkpoint step {step}, the last "
+                        "committed one is kept")
 
 
 def _json_key(key: Any) -> Any:

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zaya.run_dir import CONFIG_HISTORY_FILE, INIT_FROM_FILE, RUN_CONFIG_FILE
+from zaya.owned import write_output
+from zaya.run_dir import CONFIG_HISTORY_FILE, INIT_FROM_FILE, RUN_CONFIG_FILE, open_append
 from zaya.weights import WeightSource
 
 _MISSING = "(unset)"
@@ -45,13 +46,13 @@ def record_start(run_dir: Path, record: dict[str, Any], resumed: dict[str, Any] 
     run_dir = Path(run_dir)
     original = run_dir / RUN_CONFIG_FILE
     if resumed is None or not original.is_file():
-        original.write_text(json.dumps(record, indent=2), encoding="utf-8")
+        write_output(original, json.dumps(record, indent=2), overwrite=True)
     # compared as JSON holds them (a tuple in memory is a list once written)
     changes = changed_settings(resumed, json.loads(json.dumps(record))) if resumed is not None else {}
     if not changes:
         return []
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": step, "changes": changes}
-    with (run_dir / CONFIG_HISTORY_FILE).open("a", encoding="utf-8") as handle:
+    with open_append(run_dir / CONFIG_HISTORY_FILE) as handle:
         handle.write(json.dumps(entry) + "\n")
     return [f"resumed with changed settings (recorded in {CONFIG_HISTORY_FILE}): {describe_changes(changes)}"]
 
@@ -62,6 +63,6 @@ def record_init(run_dir: Path, source: WeightSource, seconds: float, phase: str 
     record = {"path": str(source.path.resolve()), "kind": source.kind, "layout": source.layout, "step": source.step,
               "fingerprint": source.fingerprint()}
     name = INIT_FROM_FILE if phase is None else INIT_FROM_FILE.replace(".json", f".{phase}.json")
-    (Path(run_dir) / name).write_text(json.dumps(record, indent=2), encoding="utf-8")
+    write_output(Path(run_dir) / name, json.dumps(record, indent=2), overwrite=True)
     return (f"initialised from {source.describe()} in {seconds:.2f} s ({record['fingerprint'][:19]}...; the "
             "optimizer and schedule start afresh)")

@@ -10,19 +10,23 @@ from (`train.init_from`) that are missing or of another model's shape.
 from __future__ import annotations
 
 import binascii
-import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from zaya import checkpoint as ckpt
 from zaya.data.dataset_reader import open_dataset
 from zaya.data.tokenizer import TOKENIZER_FILE
 from zaya.errors import ZayaError
-from zaya.optim.config import finite_number
+from zaya.reading import read_bytes
 from zaya.run_dir import CHECKPOINTS_DIR
-from zaya.train.checkpointing import Progress
+from zaya.schema import Fields, shown
+from zaya.train.checkpointing import Progress, check_skeleton
 from zaya.train.config import CheckpointSection
 from zaya.train.run import ResolvedRun
 from zaya.train.stops import Clock
@@ -45,56 +49,94 @@ def newest_checkpoint(directory: Path, rank: int, log: Callable[[str], None]) ->
     return ckpt.CheckpointManager(directory, keep=1 << 30, rank=rank).newest_valid(log=log, check=check_resumable)
 
 
+# the bound of every count a checkpoint's state holds (steps, tokens, samples): as a run config's (zaya.config)
+COUNT = 2**62
+_TIMES = 1024  # recent step times a clock keeps (it keeps 10)
+PRECISIONS = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """What a resume reads of a checkpoint besides its tensors, each field typed (`read_saved`)."""
+
+    step: int
+    version: Any  # compared with the version this code resumes (`check_inputs`)
+    precision: str | None  # None in a checkpoint written before it was recorded
+    world_size: int
+    progress: Progress
+    clock: Clock
+    optimizer: dict  # the optimizer's skeleton (`zaya.train.checkpointing.split_tensors`)
+    config: dict  # the resolved run config it recorded ({} if none)
+
+
+def read_saved(directory: Path) -> SavedRun:
+    """zaya.json and train_state.json of checkpoint `directory`, typed: a field of the wrong type or out of range is
+    one `ZayaError` naming the file and the field."""
+    info_path, state_path = directory / ckpt.INFO_FILE, directory / ckpt.TRAIN_STATE_FILE
+    info = Fields(ckpt.read_json(info_path), info_path)
+    saved = Fields(ckpt.read_json(state_path), state_path)
+    state = saved.obj("state")
+    skeleton = saved.dict("optimizer")
+    check_skeleton(skeleton, state_path)
+    return SavedRun(step=info.int("step", lo=0, hi=COUNT), version=info.data.get("version"),
+                    precision=None if info.data.get("precision") is None else info.str("precision", choices=PRECISIONS),
+                    world_size=info.int("world_size", 1, lo=1, hi=2**20), progress=_progress(state),
+                    clock=_clock(state), optimizer=skeleton, config=saved.dict("config", None) or {})
+
+
+def _progress(state: Fields) -> Progress:
+    counts = {name: state.int(name, 0, lo=0, hi=COUNT) for name in ("step", "phase", "phase_tokens", "tokens",
+                                                                      "samples")}
+    loaders = state.dict("loaders", {}, of=dict)
+    for name in loaders:
+        loader = state.obj("loaders").obj(name)
+        loader.int("consumed_samples", lo=0, hi=COUNT)
+        loader.list("skip_ranges", [], of=list)
+    fingerprints = state.dict("fingerprints", {}, of=list)
+    for name in fingerprints:
+        state.obj("fingerprints").list(name, of=str, max_len=1 << 16)
+    return Progress(**counts, loaders=loaders, fingerprints=fingerprints)
+
+
+def _clock(state: Fields) -> Clock:
+    times = {name: [float(t) for t in state.list(name, [], of=(int, float), max_len=_TIMES)]
+             for name in ("step_times", "sample_times")}
+    if any(t < 0 for ts in times.values() for t in ts):
+        raise ZayaError(f"{state.source}: field 'state.step_times' and 'state.sample_times' must not be negative")
+    return Clock(train_seconds=state.float("train_seconds", 0.0, lo=0.0), save_seconds=state.float(
+        "save_seconds", 0.0, lo=0.0), decay_start=state.int("decay_start", 0, lo=0, hi=COUNT),
+        schedule_steps=state.int("schedule_steps", 0, lo=0, hi=COUNT), **times)
+
+
 def check_resumable(directory: Path) -> None:
     """What a resume reads besides the tensors holds values of the right types, or `ZayaError` naming the file
     and field: a checkpoint whose files match their checksums but could not be resumed from is set aside like a
     damaged one, and training falls back to the one before."""
-    info = ckpt.read_json(directory / ckpt.INFO_FILE)
-    if not _count(info.get("step")):
-        raise ZayaError(f"{directory / ckpt.INFO_FILE}: field 'step' must be a non-negative integer, "
-                        f"got {info.get('step')!r}")
-    path = directory / ckpt.TRAIN_STATE_FILE
-    saved = ckpt.read_json(path)
-    state = saved.get("state")
-    for name, value in (("state", state), ("optimizer", saved.get("optimizer"))):
-        if not isinstance(value, dict):
-            raise ZayaError(f"{path}: field '{name}' must be an object, got {type(value).__name__}")
-    for kind in (Progress, Clock):
-        defaults = kind()
-        for field in dataclasses.fields(kind):
-            if field.name in state and not _like(state[field.name], getattr(defaults, field.name)):
-                raise ZayaError(f"{path}: field 'state.{field.name}' must be "
-                                f"{type(getattr(defaults, field.name)).__name__}, got {state[field.name]!r}")
+    read_saved(directory)
     for rng in sorted(directory.glob("rng.rank*.json")):
-        _check_rng(ckpt.read_json(rng), rng)
+        check_rng(ckpt.read_json(rng), rng)
 
 
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _like(value, default) -> bool:
-    if isinstance(default, bool):
-        return isinstance(value, bool)
-    if isinstance(default, int):
-        return _count(value)
-    if isinstance(default, float):
-        return finite_number(value)
-    return isinstance(value, type(default))
-
-
-def _check_rng(data: dict, path: Path) -> None:
+def check_rng(data: dict, path: Path) -> None:
+    """`data` (rng.rankR.json) is a random-number generator state this process can take: torch's of the size its own
+    has, Python's of version 3 with 625 words, and the accelerators' as base64."""
+    doc = Fields(data, path)
     try:
-        binascii.a2b_base64(data["torch"].encode("ascii"), strict_mode=True)
-        for state in data.get("cuda", []):
+        cpu = binascii.a2b_base64(doc.str("torch", max_len=1 << 20).encode("ascii"), strict_mode=True)
+        for state in doc.list("cuda", [], of=str, max_len=1 << 12):
             binascii.a2b_base64(state.encode("ascii"), strict_mode=True)
-        version, internal, gauss = data["python"]
-        good = (isinstance(version, int) and isinstance(internal, list) and all(map(_count, internal))
+        version, internal, gauss = doc.list("python", of=(int, list, float, type(None)))
+        good = (len(cpu) == torch.get_rng_state().numel() and version == 3 and isinstance(internal, list)
+                and len(internal) == 625 and all(_word(w) for w in internal)
                 and (gauss is None or isinstance(gauss, float)))
-    except (KeyError, TypeError, ValueError, AttributeError):
+    except (ZayaError, TypeError, ValueError, UnicodeEncodeError):
         good = False
     if not good:
         raise ZayaError(f"{path}: not a random-number generator state")
+
+
+def _word(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
 
 
 def recorded_precision(checkpoint: Path | None) -> str | None:
@@ -102,11 +144,12 @@ def recorded_precision(checkpoint: Path | None) -> str | None:
     checkpoint's own record, or, in one written before it had one, the resolved config it carries."""
     if checkpoint is None:
         return None
-    precision = ckpt.read_json(checkpoint / ckpt.INFO_FILE).get("precision")
-    if precision is None:
-        record = ckpt.read_json(checkpoint / ckpt.TRAIN_STATE_FILE).get("config") or {}
-        precision = (record.get("train") or {}).get("precision")
-    return precision if precision in ("bf16", "fp32") else None
+    saved = read_saved(checkpoint)
+    if saved.precision is not None:
+        return saved.precision
+    train = saved.config.get("train")
+    precision = train.get("precision") if isinstance(train, dict) else None
+    return precision if isinstance(precision, str) and precision in PRECISIONS else None
 
 
 def init_source(run: ResolvedRun, resume_from: Path | None) -> tuple[WeightSource | None, list[str]]:
@@ -146,8 +189,7 @@ def saved_phase(checkpoint: Path | None, phases: int) -> int:
     """The phase a checkpoint was taken in (0 for none), within the `phases` the config has now."""
     if checkpoint is None:
         return 0
-    state = ckpt.read_json(checkpoint / ckpt.TRAIN_STATE_FILE)["state"]
-    return min(int(state.get("phase", 0)), phases - 1)
+    return min(read_saved(checkpoint).progress.phase, phases - 1)
 
 
 def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: bool = False,
@@ -177,22 +219,22 @@ def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: 
         tokenizers[phase.name] = datasets[0].tokenizer_path
     if resume_from is None:
         return notes, fingerprints
-    version = ckpt.read_json(resume_from / ckpt.INFO_FILE).get("version")
-    if version != ckpt.VERSION:
-        raise ZayaError(f"{resume_from}: a checkpoint of format version {version}, whose optimizer state this "
-                        f"version ({ckpt.VERSION}) cannot resume; its model still loads (zaya convert, "
+    saved = read_saved(resume_from)
+    if saved.version != ckpt.VERSION or isinstance(saved.version, bool):
+        raise ZayaError(f"{resume_from}: a checkpoint of format version {shown(saved.version)}, whose optimizer state "
+                        f"this version ({ckpt.VERSION}) cannot resume; its model still loads (zaya convert, "
                         "zaya.load_model)")
-    saved = ckpt.read_json(resume_from / ckpt.TRAIN_STATE_FILE)["state"]
     for phase in run.phases:
-        now, before = fingerprints[phase.name], saved.get("fingerprints", {}).get(phase.name)
+        now, before = fingerprints[phase.name], saved.progress.fingerprints.get(phase.name)
         if before is not None and before != now and not allow_data_change:
-            raise ZayaError(f"{resume_from}: phase '{phase.name}' was trained on data {before[0][:12]}..., but the "
-                            f"config now gives {now[0][:12]}...; pass --allow-data-change to continue anyway")
+            said = before[0][:12] if before else "(none)"
+            raise ZayaError(f"{resume_from}: phase '{phase.name}' was trained on data {said}..., but the config now "
+                            f"gives {now[0][:12]}...; pass --allow-data-change to continue anyway")
     trained_with = resume_from / TOKENIZER_FILE
-    phase = run.phases[min(int(saved.get("phase", 0)), len(run.phases) - 1)]
+    phase = run.phases[min(saved.progress.phase, len(run.phases) - 1)]
     if trained_with.is_file() and not allow_tokenizer_change:
         now = tokenizers[phase.name]
-        if trained_with.read_bytes() != now.read_bytes():
+        if read_bytes(trained_with, "tokenizer") != read_bytes(now, "tokenizer"):
             raise ZayaError(f"{resume_from}: the run was trained with another tokenizer than {now} (the same "
                             "text becomes other token ids); pass --allow-tokenizer-change to continue anyway")
     return notes, fingerprints

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from zaya.run_dir import LOG_FILE, RANK_LOG
+from zaya.run_dir import LOG_FILE, RANK_LOG, open_append
 
 
 class Screen(Protocol):
@@ -35,7 +35,7 @@ class RunLog:
             if self.run_dir.is_dir():
                 path = self.run_dir / RANK_LOG.format(self.rank)
                 path.parent.mkdir(exist_ok=True)
-                with path.open("a", encoding="utf-8") as handle:
+                with open_append(path) as handle:
                     handle.write(stamped)
             return
         if not show:
@@ -45,7 +45,7 @@ class RunLog:
         else:
             print(text, flush=True)
         if self.run_dir.is_dir():
-            with (self.run_dir / LOG_FILE).open("a", encoding="utf-8") as handle:
+            with open_append(self.run_dir / LOG_FILE) as handle:
                 handle.write(stamped)
 
 

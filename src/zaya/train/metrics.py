@@ -13,52 +13,92 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 from tqdm import tqdm
 
 from zaya.errors import ZayaError
-from zaya.run_dir import METRICS_FILE, TENSORBOARD_DIR
+from zaya.reading import open_regular, os_reason
+from zaya.run_dir import METRICS_FILE, TENSORBOARD_DIR, open_append
+from zaya.schema import is_a
 
 # the seconds bar: no rate (it would read "1.00s/s"); the step goes in the postfix
 SECONDS_BAR = "{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]"
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    """All rows of a run's metrics log (a torn last line, from a crash mid-write, is ignored)."""
+ROW_CAP = 16 << 20  # a metrics row longer than this is not one of ours (the largest model's rows are ~1 MB)
+
+
+def iter_metrics(run_dir: Path) -> Iterator[dict]:
+    """The rows of a run's metrics log, one at a time, each line read with a bound (a torn last line, from a crash
+    mid-write, ends them). None of it if the log is missing; one `ZayaError` if it is not a regular file or not a
+    metrics log."""
     path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_bytes().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # not JSON, or not UTF-8
-            row = None
-        if not isinstance(row, dict):
-            if not rows and line.strip():
-                raise ZayaError(f"{path}: not a metrics log (its first line is not a JSON object)")
-            break
-        rows.append(row)
-    return rows
+    if not os.path.lexists(path):
+        return
+    with open_regular(path, "a metrics log") as handle:
+        for row, _ in _rows(handle, path):
+            if row is None:
+                break
+            yield row
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """All rows of a run's metrics log (`iter_metrics`)."""
+    return list(iter_metrics(run_dir))
+
+
+def _rows(handle: BinaryIO, path: Path) -> Iterator[tuple[dict | None, int]]:
+    """(row, offset of its line) for each line of a metrics log; the row is None where the line is not one (not
+    JSON, not an object with an integer step, longer than `ROW_CAP`). A log whose first line is none is no log."""
+    offset, first = 0, True
+    while line := handle.readline(ROW_CAP + 1):
+        start, offset = offset, offset + len(line)
+        row = None
+        if len(line) > ROW_CAP and not line.endswith(b"\n"):
+            while (rest := handle.readline(ROW_CAP + 1)) and not rest.endswith(b"\n"):
+                offset += len(rest)
+            offset += len(rest)
+        else:
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply
+                row = None
+            if not isinstance(row, dict) or not is_a(row.get("step", 0), int):
+                row = None
+        if row is None and first and line.strip():
+            raise ZayaError(f"{path}: not a metrics log (its first line is not a JSON object)")
+        first = False
+        yield row, start
 
 
 def truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """Keep the rows of steps <= `last_step` (atomically: a crash leaves either the old or the new log)."""
+    """Keep the rows of steps <= `last_step`: the log is cut at the first row past it (or the first line that is no
+    row), in place; the rows' steps rise through the log, as every start cuts it so."""
     path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return
-    rows = [row for row in read_metrics(run_dir) if row.get("step", 0) <= last_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    with tmp.open("w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ZayaError(f"{path}: cannot rewrite the metrics log ({os_reason(exc)})") from None
+    with os.fdopen(fd, "r+b") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ZayaError(f"{path}: not a regular file; refusing to rewrite it as the metrics log")
+        os.set_blocking(fd, True)
+        cut = None
+        for row, start in _rows(handle, path):
+            if row is None or row.get("step", 0) > last_step:
+                cut = start
+                break
+        if cut is not None:
+            handle.truncate(cut)
+            handle.flush()
+            os.fsync(fd)
 
 
 class Sink(Protocol):
@@ -89,7 +129,7 @@ class MetricsLogger:
         if not enabled:
             return
         truncate_metrics(self.run_dir, start_step)
-        self._file = (self.run_dir / METRICS_FILE).open("a", encoding="utf-8")
+        self._file = open_append(self.run_dir / METRICS_FILE)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

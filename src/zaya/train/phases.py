@@ -28,6 +28,7 @@ from zaya.model.loss import IGNORE_INDEX
 from zaya.model.transformer import RouterStats, Zaya
 from zaya.parallel.context import ContextParallel, SequenceLayout
 from zaya.parallel.mesh import ParallelContext
+from zaya.reading import read_bytes
 from zaya.train.checkpointing import Progress
 from zaya.train.config import Phase
 from zaya.train.run import ResolvedRun
@@ -149,7 +150,7 @@ class Curriculum:
 
 def _chat_template(loader: TokenLoader) -> Path | None:
     """The chat template of the phase's chat datasets; one, since a model answers in one format."""
-    found = {d.chat_template_path.read_bytes(): d.chat_template_path for d in loader.datasets
+    found = {read_bytes(d.chat_template_path, "template"): d.chat_template_path for d in loader.datasets
              if d.chat_template_path is not None}
     if len(found) > 1:
         paths = sorted(str(p) for p in found.values())

@@ -52,10 +52,17 @@ class TrainingSignals:
         """The samples of the recent steps, [start, stop), that a roll-back skips."""
         return (self.windows[0][0], self.windows[-1][1]) if self.windows else (0, 0)
 
-    def nonfinite(self, step: int, norm: float) -> bool:
-        """Decide on a non-finite gradient norm at `step`: True to drop the update (skip_step, rollback)."""
+    def nonfinite(self, step: int, norm: float, untrained: bool = False) -> bool:
+        """Decide on a non-finite gradient norm at `step`: True to drop the update (skip_step, rollback). With
+        `untrained` weights (as initialised or loaded, no update applied yet) there is nothing to skip back to: the
+        next batch meets the same weights, so the run stops at once."""
         finding = Finding("nan", f"step:{step}", f"step {step}: non-finite gradient norm ({norm}); loss or "
                           "gradients are NaN or inf")
+        if untrained:
+            outcome = ("stopping: no update was applied yet, so there is nothing to skip back to (the initial weights, "
+                       "model.initializer_range or the data?); no checkpoint written")
+            self.record(finding, "stop", outcome, step, quiet=True)
+            raise ZayaError(f"{finding.line}; {outcome}")
         action = self.policy.decide(finding).action
         if action not in ("skip_step", "rollback"):
             raise ZayaError(f"{finding.line}; stopping (policy: {action}; last checkpoint kept)")
@@ -73,6 +80,11 @@ class TrainingSignals:
     def updated(self) -> None:
         """A step's update was applied: the non-finite steps in a row are over."""
         self._skipped_in_row = 0
+
+    @property
+    def skipped_in_row(self) -> int:
+        """The non-finite steps in a row up to now (0 after a step whose update was applied)."""
+        return self._skipped_in_row
 
     def watch(self, step: int, row: dict) -> Finding | None:
         """The step's signals: spikes, stragglers, a roll-back the non-finite check asked for. Returns the finding

@@ -95,7 +95,7 @@ def time_origin(environ: Mapping[str, str]) -> float:
     Slurm's job start if the job runs under Slurm (`SLURM_JOB_START_TIME`), else when the torchrun agent that
     started this process began (a restarted worker keeps the job's clock), else when this process began."""
     slurm = environ.get("SLURM_JOB_START_TIME", "")
-    if slurm.isdigit():
+    if slurm.isdigit() and len(slurm) <= 12:  # seconds since 1970: more digits are no time (and overflow a float)
         return float(slurm)
     pid = os.getppid() if "TORCHELASTIC_RESTART_COUNT" in environ else os.getpid()
     started = _process_start(pid)

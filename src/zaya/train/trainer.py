@@ -62,11 +62,19 @@ from zaya.parallel.mesh import ParallelContext, init_parallel
 from zaya.resilience.findings import Finding
 from zaya.resilience.incidents import IncidentLog
 from zaya.resilience.signals import as_ranges
-from zaya.run_dir import INCIDENTS_FILE, SAMPLES_FILE
+from zaya.run_dir import INCIDENTS_FILE, SAMPLES_FILE, open_append
 from zaya.train.balance import BalanceController, load_imbalance
-from zaya.train.checkpointing import Progress, capture, read_state, restore, train_state
+from zaya.train.checkpointing import (
+    Progress,
+    capture,
+    check_finite,
+    model_tensors,
+    optimizer_tensors,
+    restore,
+    train_state,
+)
 from zaya.train.history import record_init, record_start
-from zaya.train.inputs import checkpoint_dir, saved_phase
+from zaya.train.inputs import check_resumable, check_rng, checkpoint_dir, read_saved, saved_phase
 from zaya.train.log import RunLog, step_line
 from zaya.train.metrics import MetricsLogger
 from zaya.train.phases import Curriculum
@@ -104,6 +112,7 @@ class Trainer:
         self.metrics: MetricsLogger | None = None
         self.optimizer_timer: DeviceTimer | None = None  # the last step's optimizer, read when its row is logged
         self._init_seconds = 0.0  # how long loading `train.init_from` took
+        self.untrained = True  # the weights are as initialised or loaded: no update applied to them yet
         self._resumed_record: dict | None = None  # the resolved config the resumed checkpoint recorded
 
     @property
@@ -190,6 +199,8 @@ class Trainer:
         self.hooks("checkpoint_save", step)
         self.curriculum.keep_loader_state(self.progress)
         release(self.model)  # the shards are what is saved, and what the optimizer's state is keyed by
+        check_finite(step, model_tensors(self.model, self.controller.state), optimizer_tensors(self.optimizer),
+                     self.device, self._all_reduce)
         tensors, skeleton = capture(self.model, self.optimizer, self.controller.state, self.views)
         state = train_state(self.progress, self.stops.clock, skeleton, self.config.record)
         info = {"format": ckpt.FORMAT, "version": ckpt.VERSION, "model": self.config.model.to_dict(),
@@ -204,25 +215,27 @@ class Trainer:
         self.log(f"checkpoint step {step} {'staged' if async_save else 'saved'} in {seconds:.2f} s")
 
     def _restore(self, directory: Path) -> None:
-        info = ckpt.read_json(directory / ckpt.INFO_FILE)
-        saved = ckpt.read_json(directory / ckpt.TRAIN_STATE_FILE)
-        self._resumed_record = saved.get("config") or {}
-        self.progress, self.stops.clock = read_state(saved["state"], Progress), read_state(saved["state"], Clock)
-        restore(directory, self.model, self.optimizer, self.controller.state, saved["optimizer"],
+        saved = read_saved(directory)
+        self._resumed_record = saved.config
+        self.progress, self.stops.clock = saved.progress, saved.clock
+        restore(directory, self.model, self.optimizer, self.controller.state, saved.optimizer,
                 process_group=self.parallel.control_group, views=self.views)
         release(self.model)  # whole parameters a mode keeps gathered are the old ones now
+        self.untrained = False
         rng = directory / f"rng.rank{self.launch.rank}.json"
         if rng.is_file():
-            ckpt.set_rng_state(ckpt.read_json(rng))
+            state = ckpt.read_json(rng)
+            check_rng(state, rng)
+            ckpt.set_rng_state(state)
         self.log(f"resumed from {directory} (step {self.progress.step}, phase "
-                 f"'{self.curriculum.phase(self.progress).name}', written by {info.get('world_size', 1)} rank(s))")
+                 f"'{self.curriculum.phase(self.progress).name}', written by {saved.world_size} rank(s))")
 
     def _rollback(self, finding: Finding) -> bool:
         """Go back to the newest checkpoint before this step and never train on the recent steps' data."""
         self.manager.wait()
         step, phase = self.progress.step, self.curriculum.phase(self.progress).name
-        target = self.manager.newest_valid(log=self.log)
-        if target is None or ckpt.read_json(target / ckpt.INFO_FILE).get("step", 0) >= step:
+        target = self.manager.newest_valid(log=self.log, check=check_resumable)
+        if target is None or read_saved(target).step >= step:
             self.signals.record(finding, "rollback", "no earlier checkpoint to roll back to; carrying on", step)
             return False
         start, stop = self.signals.window()
@@ -252,7 +265,7 @@ class Trainer:
             self.log(f"step {step}: phase '{nxt.name}' runs with cp = {nxt.cp}: checkpointing, to a new mesh")
             self.save()
             self.manager.wait()
-            self.resume_from = self.manager.newest_valid(log=self.log)
+            self.resume_from = self.manager.newest_valid(log=self.log, check=check_resumable)
             self.start_phase = self.progress.phase
             self._build()
             self.log(f"step {step}: now on {self.parallel.describe()}")
@@ -260,6 +273,7 @@ class Trainer:
         if source is not None:  # the phase's own weights, and a fresh optimizer and controller for them
             self._initialise_from(source)
             self._fresh_optimizer()
+            self.untrained = True
             if self.launch.is_main:
                 self.log(f"step {step}: phase '{nxt.name}' "
                          + record_init(self.run_dir, source, self._init_seconds, phase=nxt.name))
@@ -308,7 +322,7 @@ class Trainer:
         reduced = self._reduce(routes, loss_sum, grad_norm, host_time)  # the step's one read of the device
         # the norm is global, so every rank takes the same branch
         norm = float(reduced["grad_norm"])
-        skipped = not math.isfinite(norm) and self.signals.nonfinite(step, norm)
+        skipped = not math.isfinite(norm) and self.signals.nonfinite(step, norm, self.untrained)
         self.optimizer_timer = DeviceTimer(self.device)
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)  # parameters and optimizer state stay as they were
@@ -316,6 +330,7 @@ class Trainer:
             self.optimizer.step()
             refresh(self.model, self.config.parallelize.sharding)
             self.signals.updated()
+            self.untrained = False
         self.optimizer_timer.stop()
         counts = torch.from_numpy(reduced["route_counts"]).round().long()
         if self.config.balance.enabled and not skipped:
@@ -457,6 +472,10 @@ class Trainer:
                 self.log(measured)
             if not row["skipped"] and not math.isfinite(row["loss"]):
                 raise ZayaError(f"step {step}: the loss is {row['loss']}; stopping (last checkpoint kept)")
+            if step == end and not stop and self.signals.skipped_in_row:
+                # its updates dropped, the run would end on weights whose loss is not finite, as if it had succeeded
+                raise ZayaError(f"step {step}: the run ends on {self.signals.skipped_in_row} non-finite step(s) in a "
+                                "row; stopping without a final checkpoint, the last committed one is kept")
             due = step % self.config.checkpoint.every == 0 or step == end or stop
             if due and self.saved_step != step:  # a move to a new mesh may just have saved this step
                 self.save()
@@ -496,7 +515,7 @@ class Trainer:
         row.update(step=self.progress.step, time=time.time(), step_time=seconds, tokens_per_s=tokens_per_s,
                    mfu=tokens_per_s * self.curriculum.flops_per_token / peak)
         if self.config.logging.record_samples and self.launch.is_main:
-            with (self.run_dir / SAMPLES_FILE).open("a", encoding="utf-8") as handle:
+            with open_append(self.run_dir / SAMPLES_FILE) as handle:
                 handle.write(json.dumps({"step": self.progress.step,
                                          "positions": as_ranges(self.curriculum.loader.last_positions)}) + "\n")
 

@@ -35,9 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from zaya.errors import ZayaError
+from zaya.owned import write_output
+from zaya.reading import read_text
 from zaya.run_dir import WANDB_ID_FILE
+from zaya.schema import shown
 from zaya.train.config import LoggingSection
-from zaya.train.metrics import read_metrics
+from zaya.train.metrics import iter_metrics
 
 PER_RANK = frozenset({"peak_memory_bytes", "comm_bytes", "host_time"})
 LEFT_OUT = frozenset({"step", "time"})
@@ -135,18 +138,13 @@ def wandb_row(row: dict[str, Any], wandb: Any) -> dict[str, Any]:
 def run_id(run_dir: Path) -> str:
     """The run directory's W&B run id, made and saved (atomically) on first use."""
     path = Path(run_dir) / WANDB_ID_FILE
-    if path.is_file():
-        saved = path.read_text(encoding="utf-8").strip()
-        if not saved or any(c in saved for c in "/\\#?%: \t"):
-            raise ZayaError(f"{path}: not a W&B run id ({saved!r}); delete the file to start a new W&B run")
+    if os.path.lexists(path):
+        saved = read_text(path, "pointer", "a W&B run id file").strip()
+        if not saved or len(saved) > 128 or not saved.isprintable() or any(c in saved for c in "/\\#?%: \t"):
+            raise ZayaError(f"{path}: not a W&B run id ({shown(saved)}); delete the file to start a new W&B run")
         return saved
     new = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-    tmp = path.with_suffix(".txt.tmp")
-    with tmp.open("w", encoding="utf-8") as handle:
-        handle.write(new + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_output(path, new + "\n", overwrite=False)
     return new
 
 
@@ -175,8 +173,9 @@ def open_wandb(run_dir: Path, logging: LoggingSection, record: dict, start_step:
                         f"{message}; run `wandb login`, or set logging.wandb_mode = 'offline'") from exc
     sink = WandbSink(run, wandb, next_step=max(0, int(run.step or 0)))
     if start_step > 0:
-        for row in read_metrics(run_dir):
-            if isinstance(row.get("step"), int) and row["step"] <= start_step:
-                sink.log(row)
+        for row in iter_metrics(run_dir):
+            if row.get("step", 0) > start_step:
+                break
+            sink.log(row)
     return sink
 
