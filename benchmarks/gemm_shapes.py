@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S)
     parser.add_argument("--out", default=None, help="also write the table here")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args()
 
     header(f"GEMM shapes of preset {args.preset}")
@@ -39,7 +40,7 @@ def main() -> None:
     print()
     print(f"{format_skipped(table)}; sweep took {elapsed:.1f} s")
     if args.out:
-        print(f"wrote {table.save(args.out)}")
+        print(f"wrote {table.save(args.out, overwrite=args.overwrite)}")
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def test_evals_file_tolerates_a_torn_last_line_and_names_a_bad_one(tmp_path):
     path.write_text(json.dumps(EVALS[0]) + "\n" + '{"time": 1, "st')
     assert read_evals(tmp_path) == [EVALS[0]]
     path.write_text("not json\n" + json.dumps(EVALS[0]) + "\n")
-    with pytest.raises(ZayaError, match=r"evals\.jsonl:1: not a JSON line"):
+    with pytest.raises(ZayaError, match=r"evals\.jsonl: not an evaluation log \(line 1 is not a JSON object\)"):
         read_evals(tmp_path)
     assert read_evals(tmp_path / "nothing") == []
 

@@ -377,11 +377,12 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: str | None, al
 @click.option("--num-fewshot", default=None, type=click.IntRange(min=0), help="With --tasks: K few-shot examples.")
 @click.option("--output", default=None, type=click.Path(path_type=Path),
               help="With --tasks: write the full results JSON here [default: in the run directory].")
+@click.option("--overwrite", is_flag=True, help="With --output: replace an existing file (never a link or FIFO).")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the accelerator if any).")
 def evaluate(model_path: Path, data_path: Path | None, tasks: str | None, split: str | None, seq_len: int | None,
              max_batches: int | None, include_path: Path | None, limit: int | None, num_fewshot: int | None,
-             output: Path | None, batch_size: int, device: str | None) -> None:
+             output: Path | None, overwrite: bool, batch_size: int, device: str | None) -> None:
     """Evaluate a model: held-out loss on a dataset (--data), or lm-evaluation-harness tasks (--tasks).
 
     Either way, a model inside a run directory gets one line in RUN_DIR/evals.jsonl (read by zaya report);
@@ -389,7 +390,8 @@ def evaluate(model_path: Path, data_path: Path | None, tasks: str | None, split:
     if (data_path is None) == (tasks is None):
         raise ZayaError("give exactly one of --data (held-out loss) and --tasks (lm-evaluation-harness tasks)")
     given = {"--split": split, "--seq-len": seq_len, "--max-batches": max_batches} if tasks is not None else {
-        "--include-path": include_path, "--limit": limit, "--num-fewshot": num_fewshot, "--output": output}
+        "--include-path": include_path, "--limit": limit, "--num-fewshot": num_fewshot, "--output": output,
+        "--overwrite": overwrite or None}
     misplaced = [name for name, value in given.items() if value is not None]
     if misplaced:
         raise ZayaError(f"{', '.join(misplaced)} {'does' if len(misplaced) == 1 else 'do'} not apply to "
@@ -407,7 +409,7 @@ def evaluate(model_path: Path, data_path: Path | None, tasks: str | None, split:
     from zaya.evals.run import TaskRun, format_summary, parse_tasks, run_tasks
 
     run = TaskRun(model=model_path, tasks=parse_tasks(tasks), include_path=include_path, limit=limit,
-                  num_fewshot=num_fewshot, batch_size=batch_size, device=device, output=output)
+                  num_fewshot=num_fewshot, batch_size=batch_size, device=device, output=output, overwrite=overwrite)
     done = run_tasks(run)
     click.echo(format_summary(done.summary))
     click.echo(f"wrote {done.results_file}" + (f"; appended {done.record_file}" if done.record_file else ""))
@@ -420,19 +422,17 @@ def report(run_dir: Path) -> None:
     time, losses, throughput, memory, evaluations) and the incident timeline.
 
     RUN_DIR may also be a supervisor state directory: then only its incident timeline is shown."""
-    from zaya.report.report import build_report, read_all_incidents
+    from zaya.report.report import run_report
     from zaya.report.summary import format_text
     from zaya.resilience.incidents import timeline
-    from zaya.train.metrics import read_metrics
 
-    if not run_dir.is_dir():
-        raise ZayaError(f"{run_dir}: no such run or state directory")
-    incidents = read_all_incidents(run_dir)
-    if read_metrics(run_dir) or not incidents:
-        written = build_report(run_dir)
-        click.echo(f"wrote {written.index}\n{format_text(written.summary)}")
-    if incidents:
-        click.echo(f"incidents ({len(incidents)}):\n{timeline(incidents)}")
+    done = run_report(run_dir)  # every log read bounded; rows that cannot be used are counted in a warning
+    for warning in done.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if done.report is not None:
+        click.echo(f"wrote {done.report.index}\n{format_text(done.report.summary)}")
+    if done.incidents:
+        click.echo(f"incidents ({len(done.incidents)}):\n{timeline(done.incidents)}")
 
 
 # ---- supervise ----------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from zaya.data.tokenizer import find_tokenizer, load_tokenizer
 from zaya.device import device_present
 from zaya.errors import ZayaError
-from zaya.infer.generate import Sampling, check_prompt, next_token
+from zaya.infer.generate import TEMPERATURE_RANGE, Sampling, check_prompt, next_token
 from zaya.infer.hf_files import SpecialTokens, special_tokens_of
 from zaya.infer.loading import load_model
 from zaya.weights import resolve_model_dir
@@ -273,13 +273,28 @@ def _one_token_key(request: TokenRequest) -> list[int]:
 
 
 def _sampling(kwargs: dict) -> Sampling:
-    """The task's decoding: greedy unless it asks for sampling (do_sample with a temperature > 0)."""
-    temperature = float(kwargs.get("temperature") or 0.0)
-    if not kwargs.get("do_sample") or temperature <= 0.0:
+    """The task's decoding: greedy unless it asks for sampling (do_sample with a temperature colder than which
+    sampling cannot be told from greedy decoding); a task's value that is not a number is one line."""
+    temperature = _number(kwargs, "temperature", 0.0)
+    if not kwargs.get("do_sample") or temperature < TEMPERATURE_RANGE[0]:
         return Sampling()
     seed = kwargs.get("seed")
-    return Sampling(greedy=False, temperature=temperature, top_p=float(kwargs.get("top_p") or 1.0),
-                    seed=int(seed) if seed is not None else None)
+    if seed is not None:
+        try:
+            seed = int(seed)
+        except (TypeError, ValueError):
+            raise ZayaError(f"the task's generation seed must be an integer, got {seed!r}"[:200]) from None
+    return Sampling(greedy=False, temperature=temperature, top_p=_number(kwargs, "top_p", 1.0), seed=seed)
+
+
+def _number(kwargs: dict, key: str, default: float) -> float:
+    value = kwargs.get(key)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ZayaError(f"the task's generation setting {key} must be a number, got {value!r}"[:200]) from None
 
 
 def _available(device: str | None) -> str | None:

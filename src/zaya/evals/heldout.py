@@ -57,6 +57,11 @@ def evaluate_model(model_path: str | Path, data_path: str | Path, *, split: str 
     (`zaya.evals.records`). The sizes are bounded (`check_sizes`), and `seq_len` by the model's
     `max_position_embeddings`."""
     check_sizes(seq_len, batch_size, max_batches)
+    if record:  # an evals.jsonl that cannot take the record is refused before the evaluation, not after it
+        from zaya.evals.records import check_record_file, run_dir_of
+
+        if (run_dir := run_dir_of(model_path)) is not None:
+            check_record_file(run_dir)
     model = load_model(model_path, device=device)
     limit = model.config.max_position_embeddings
     if seq_len > limit:

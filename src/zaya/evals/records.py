@@ -13,14 +13,17 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import time
 from pathlib import Path
 
 from zaya import checkpoint
-from zaya.errors import ZayaError
+from zaya.errors import ZayaError, storage_error
+from zaya.reading import os_reason
 from zaya.run_dir import CHECKPOINTS_DIR, EVALS_FILE
 from zaya.weights import model_dir_kind, resolve_model_dir
 
@@ -49,18 +52,49 @@ def checkpoint_step(model_path: str | Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def check_record_file(run_dir: Path) -> None:
+    """Refuse, before an evaluation, an evals.jsonl that `append_record` would refuse after it: anything but a
+    regular file (a link, a FIFO, a directory)."""
+    path = Path(run_dir) / EVALS_FILE
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ZayaError(f"{path}: cannot append ({os_reason(exc)})") from None
+    if not stat.S_ISREG(info.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+        raise ZayaError(f"{path}: {what}; refusing to append to it")
+
+
 def append_record(run_dir: Path, record: dict) -> Path:
     """Append one line to RUN_DIR/evals.jsonl (the line is written with a single write, so readers never
     see half of it); returns the file's path."""
     path = Path(run_dir) / EVALS_FILE
-    line = json.dumps(record, allow_nan=False) + "\n"
+    check_record_file(run_dir)
+    line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
+    # never through a link (it would append to whatever it names), and never blocking (a FIFO with no reader
+    # would wait forever): only the run's own regular file, or a new one
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        with path.open("a", encoding="utf-8") as handle:
-            handle.write(line)
-            handle.flush()
-            os.fsync(handle.fileno())
+        fd = os.open(path, flags, 0o644)
     except OSError as exc:
-        raise ZayaError(f"{path}: cannot append ({exc.strerror})") from None
+        if exc.errno == errno.ELOOP:
+            raise ZayaError(f"{path}: a symbolic link; refusing to append to it") from None
+        if storage_error(exc) is not None:
+            raise
+        raise ZayaError(f"{path}: cannot append ({os_reason(exc)})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ZayaError(f"{path}: not a regular file; refusing to append to it")
+        os.write(fd, line)
+        os.fsync(fd)
+    except OSError as exc:
+        if storage_error(exc) is not None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise ZayaError(f"{path}: cannot append ({os_reason(exc)})") from None
+    finally:
+        os.close(fd)
     return path
 
 

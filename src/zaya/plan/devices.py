@@ -34,6 +34,9 @@ import torch
 
 from zaya.device import STARTUP_MEASURE_S, accelerator_name, device_label, measure_matmul_flops
 from zaya.errors import ZayaError
+from zaya.owned import write_output
+from zaya.reading import open_regular, parse_json
+from zaya.schema import is_a
 
 if TYPE_CHECKING:
     from zaya.plan.table import EfficiencyTable
@@ -241,21 +244,39 @@ def peak_flops(device: torch.device, dtype: torch.dtype, cache: Path | None = No
     key = f"{device_label(device)} {torch.get_num_threads()} threads {dtype_name} torch {torch.__version__}"
     path = None if cache is None else Path(cache) / "peak" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path is not None:
-        try:
-            saved = json.loads(path.read_text(encoding="utf-8"))
-            if saved.get("key") == key and float(saved["flops"]) > 0:
-                return float(saved["flops"]), f"measured once on this machine, {path}"
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # none yet, or unreadable: measure
+        saved = _read_peak(path)
+        if saved is not None and saved["key"] == key:
+            return float(saved["flops"]), f"measured once on this machine, {path}"
     flops = max(measure_matmul_flops(device, dtype, seconds=STARTUP_MEASURE_S) for _ in range(3))
     if path is None:
         return flops, "measured"
-    with contextlib.suppress(OSError):  # a read-only cache costs a measurement per run, nothing else
+    # a cache that cannot be written (read-only, or something not zaya's in its place: never replaced) costs a
+    # measurement per run, nothing else
+    with contextlib.suppress(OSError, ZayaError):
+        if os.path.lexists(path) and _read_peak(path) is None:
+            return flops, "measured"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "flops": flops}), encoding="utf-8")
-        os.replace(tmp, path)
-    return flops, f"measured, kept in {path}"
+        write_output(path, json.dumps({"key": key, "flops": flops}), overwrite=True)
+        return flops, f"measured, kept in {path}"
+    return flops, "measured"
+
+
+PEAK_CACHE_CAP = 4096  # bytes of a kept peak: {"key": ..., "flops": ...} takes 200
+
+
+def _read_peak(path: Path) -> dict | None:
+    """A peak `peak_flops` kept at `path`, or None for anything else: missing, not a regular file (never read
+    through: a FIFO would block), larger than `PEAK_CACHE_CAP`, not JSON, or fields of the wrong type."""
+    try:
+        with open_regular(path, "a kept peak", follow_links=False) as handle:
+            data = handle.read(PEAK_CACHE_CAP + 1)
+        saved = parse_json(data, path) if len(data) <= PEAK_CACHE_CAP else None
+    except (OSError, ZayaError):
+        return None
+    if not isinstance(saved, dict) or not isinstance(saved.get("key"), str) or not is_a(saved.get("flops"),
+                                                                                      (int, float)):
+        return None
+    return saved if 0 < saved["flops"] <= 1e30 else None
 
 
 def describe_devices(cache: Path) -> str:
@@ -272,10 +293,17 @@ def describe_devices(cache: Path) -> str:
         )
     from zaya.plan.table import default_table_path
 
-    measured = [dtype for dtype in ("bf16", "fp32") if default_table_path(dtype, cache).is_file()]
+    measured = [dtype for dtype in ("bf16", "fp32") if _is_file(default_table_path(dtype, cache))]
     state = f"measured: {', '.join(measured)}" if measured else "not measured yet"
     lines.append(f"{'local':<8} {'this machine, by `zaya shapes`':<34} ({state}; "
                  f"{default_table_path('<dtype>', cache)})")
     lines.append("peaks are dense (no sparsity); memory in decimal GB; link bandwidths per GPU per direction; "
                  "GEMM eff is an assumption")
     return "\n".join(lines)
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long, a loop of links: not a table
+        return False

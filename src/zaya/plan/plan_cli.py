@@ -37,10 +37,34 @@ def load_target(device: str, precision: str, table_path: Path | None, cache: Pat
 
     dtype = "bf16" if precision == "bf16" else "fp32"
     path = table_path or default_table_path(dtype, cache)
-    if not path.is_file():
+    if table_path is None and not _exists(path):
         raise ZayaError(f"no measured table for the local device at {path}: run `zaya shapes --dtype {dtype}` first")
-    table = EfficiencyTable.load(path)
+    table = EfficiencyTable.load(path)  # a regular file of at most 64 MiB, its every field checked
     return get_device("local", table), table
+
+
+def _exists(path: Path) -> bool:
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # there, but unusable (a loop of links, a name too long): the read says which
+    return True
+
+
+def check_counts(gpus: int, gpus_per_node: int | None, top: int) -> None:
+    """The command's numbers, before anything is planned: one line naming the flag and its range."""
+    from zaya.plan.search import MAX_GPUS
+
+    for flag, value, high in (("--gpus", gpus, MAX_GPUS), ("--gpus-per-node", gpus_per_node, MAX_GPUS_PER_NODE),
+                              ("--top", top, MAX_TOP)):
+        if value is not None and not 1 <= value <= high:
+            raise ZayaError(f"{flag} must be an integer in 1..{high:,}, got {value:,}")
+
+
+MAX_GPUS_PER_NODE = 1 << 10  # nodes hold 8 today; a thousand is no node
+MAX_TOP = 1000  # layouts --search prints
 
 
 def format_plan(plan) -> str:
@@ -94,15 +118,16 @@ def format_plan(plan) -> str:
 
 @click.command()
 @click.argument("config_path", metavar="CONFIG", required=False, type=click.Path(path_type=Path))
-@click.option("--gpus", type=int, default=1, show_default=True, help="GPUs (ranks) the run would use.")
-@click.option("--gpus-per-node", type=int, default=None, help="Default: the device's (8 for the GPUs listed).")
+@click.option("--gpus", type=int, default=1, show_default=True, help="GPUs (ranks) the run would use (1 to 131,072).")
+@click.option("--gpus-per-node", type=int, default=None,
+              help="1 to 1,024 [default: the device's, 8 for the GPUs listed].")
 @click.option("--device", "device_name", default="local", show_default=True,
               help="A device of --devices; 'local' uses the table `zaya shapes` measured on this machine.")
 @click.option("--table", "table_path", type=click.Path(path_type=Path), default=None,
               help="The measured table for --device local (default: the one `zaya shapes` writes).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
 @click.option("--search", is_flag=True, help="Rank every layout that fits; say why the others do not.")
-@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Layouts --search shows.")
+@click.option("--top", type=int, default=10, show_default=True, help="Layouts --search shows (1 to 1,000).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (keys in docs/planning.md).")
 @click.option("--devices", is_flag=True, help="List the devices and exit.")
 def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, search, top, as_json, devices) -> None:
@@ -110,9 +135,10 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
     from zaya.config import load_config
     from zaya.plan.devices import describe_devices
     from zaya.plan.planner import plan_compile, plan_precision, plan_run
-    from zaya.plan.search import describe, search_layouts, smallest_fit
+    from zaya.plan.search import MAX_GPUS, describe, search_layouts, smallest_fit
     from zaya.plan.table import cache_dir
 
+    check_counts(gpus, gpus_per_node, top)
     cache = cache_dir(os.environ)
     if devices:
         click.echo(describe_devices(cache))
@@ -123,8 +149,6 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
     # as the trainer would resolve `auto` on the target
     precision = plan_precision(device_name) if config.train.precision == "auto" else config.train.precision
     device, table = load_target(device_name, precision, table_path, cache)
-    if gpus < 1:
-        raise ZayaError(f"--gpus must be at least 1, got {gpus}")
     per_node = gpus_per_node or min(device.gpus_per_node, gpus)
     run = config.resolve(gpus, precision, plan_compile(device_name))
     result = plan_run(run, device, table, per_node)
@@ -163,7 +187,7 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
     click.echo(format_plan(result))
     if not result.fits:
         if smallest is None:
-            click.echo("\nno layout of up to 131072 GPUs fits")
+            click.echo(f"\nno layout of up to {MAX_GPUS:,} GPUs fits")
         else:
             click.echo(f"\nsmallest layout that fits: {smallest.layout.gpus} GPU(s), {describe(smallest)}: "
                        f"{smallest.plan.first.memory.total / GB:.1f} GB per GPU, {smallest.hours:,.0f} hours")

@@ -35,6 +35,7 @@ from zaya.plan.table import (
     gemm_bytes,
     torch_dtype,
 )
+from zaya.schema import shown
 
 # ---- timing ---------------------------------------------------------------------------------------------
 
@@ -131,6 +132,21 @@ def measure_op_overhead(device: torch.device, calls: int = 200) -> float:
 
 # ---- the sweep ------------------------------------------------------------------------------------------
 
+MAX_TOKENS = 1 << 24  # tokens per micro-batch and sequence lengths: the bound of `data.seq_len` (zaya.config)
+MAX_SIZES = 64  # token counts or sequence lengths in one sweep
+
+
+def check_sizes(what: str, values: Iterable[int], bound: int = MAX_TOKENS) -> list[int]:
+    """`values` sorted and deduplicated, each an integer in 1..`bound`, at most `MAX_SIZES` of them."""
+    values = list(values)
+    if not values or len(values) > MAX_SIZES:
+        raise ZayaError(f"{what}: give 1 to {MAX_SIZES} values, got {len(values)}")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+            raise ZayaError(f"{what} must be integers in 1..{bound:,}, got {shown(value)}")
+    return sorted(set(values))
+
+
 
 def sweep(
     preset: str,
@@ -159,10 +175,8 @@ def sweep(
     torch_dt = default_gemm_dtype(device) if dtype is None else (torch_dtype(dtype) if isinstance(dtype, str)
                                                                   else dtype)
     name = dtype_name(torch_dt)
-    tokens = sorted(set(DEFAULT_TOKENS if tokens is None else tokens))
-    if not tokens or min(tokens) <= 0:
-        raise ZayaError(f"token counts must be positive, got {tokens}")
-    seq_lens = sorted(set(DEFAULT_SEQ_LENS if seq_lens is None else seq_lens))
+    tokens = check_sizes("token counts", DEFAULT_TOKENS if tokens is None else tokens, MAX_TOKENS)
+    seq_lens = check_sizes("sequence lengths", DEFAULT_SEQ_LENS if seq_lens is None else seq_lens, MAX_TOKENS)
     seq_lens = [s for s in seq_lens if s <= config.max_position_embeddings] or [min(seq_lens)]
     dims = ModelDims.from_config(config)
 
@@ -204,6 +218,10 @@ def sweep(
                                           seconds, shape.flops, shape.kind))
     finally:
         bar.close()
+    if not records:  # an empty table would stand in for a measurement: `zaya plan` would divide by nothing
+        reasons = ", ".join(f"{count} {reason}" for reason, count in skipped.items() if count)
+        raise ZayaError(f"no shape could be measured ({len(entries)} skipped: {reasons}): give fewer or smaller "
+                        "token counts (--tokens), or more time (--budget-s)")
     # timed again after the shapes, the larger kept: a busy moment of the machine does not set the peak
     peaks[name] = max(peaks[name], measure_matmul_flops(device, torch_dt, size=8192))
     table = EfficiencyTable(

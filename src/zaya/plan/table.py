@@ -16,7 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from zaya.errors import ZayaError
+from zaya.errors import ZayaError, storage_error
+from zaya.owned import check_output, write_output
+from zaya.reading import os_reason, parse_json, read_bytes
+from zaya.schema import Fields, shown
 
 FORMAT = "zaya-gemm-table"
 FORMAT_VERSION = 1
@@ -258,59 +261,132 @@ class EfficiencyTable:
         data["records"] = [dataclasses.asdict(r) for r in self.records]
         return {"format": FORMAT, "version": FORMAT_VERSION, **data}
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the table as JSON, atomically (a temporary file, then a rename), parents created."""
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the table as JSON, whole or not at all, parents created. An existing file is replaced only with
+        `overwrite`, and never one that is not a regular file (`zaya.owned.write_output`)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with tmp.open("w", encoding="utf-8") as handle:
-                json.dump(self.to_dict(), handle, indent=1)
-                handle.write("\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        check_output(path, overwrite)
+        make_parent(path)
+        write_output(path, json.dumps(self.to_dict(), indent=1) + "\n", overwrite)
+        return path
+
+    def save_cache(self, path: str | os.PathLike) -> Path:
+        """Write the table where `zaya plan --device local` looks for it (`default_table_path`), replacing only a
+        GEMM table zaya wrote there (`check_cache`)."""
+        path = Path(path)
+        check_cache(path)
+        make_parent(path)
+        check_cache(path)  # again, just before the write: something may have appeared there meanwhile
+        write_output(path, json.dumps(self.to_dict(), indent=1) + "\n", overwrite=True)
         return path
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "GEMM table") -> EfficiencyTable:
+        """The table of a parsed file; a field missing, of the wrong type or out of range is one `ZayaError`
+        naming `source` and the key."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ZayaError(f"{source}: not a zaya GEMM table (written by `zaya shapes`)")
         if data.get("version") != FORMAT_VERSION:
-            raise ZayaError(f"{source}: GEMM table format version {data.get('version')!r}, this zaya reads "
+            raise ZayaError(f"{source}: GEMM table format version {shown(data.get('version'))}, this zaya reads "
                             f"version {FORMAT_VERSION}: rerun `zaya shapes`")
-        names = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
-        fields = {key: value for key, value in data.items() if key in names}
-        try:
-            fields["records"] = [GemmRecord(**record) for record in data["records"]]
-            table = cls(**fields)
-            table.peak_flops, table.memory_bandwidth = float(table.peak_flops), float(table.memory_bandwidth)
-            table.op_overhead_s = float(table.op_overhead_s)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ZayaError(f"{source}: malformed GEMM table ({type(exc).__name__}: {exc})") from None
-        for r in table.records:
-            if r.op not in OPS or r.dtype not in DTYPES or min(r.m, r.n, r.k, r.groups) <= 0:
-                raise ZayaError(f"{source}: malformed GEMM record {dataclasses.asdict(r)}")
-        if table.dtype not in DTYPES or not table.peak_flops > 0 or not table.memory_bandwidth > 0:
-            raise ZayaError(f"{source}: malformed GEMM table (dtype, peak_flops or memory_bandwidth)")
-        return table
+        doc = Fields(data, source)
+        records = [_record(Fields(item, source, f"records.{i}"))
+                   for i, item in enumerate(doc.list("records", max_len=MAX_RECORDS))]
+        peaks = doc.dict("peaks", {}, of=(int, float))
+        for name, value in peaks.items():
+            if not 0 < value <= MAX_RATE:
+                raise ZayaError(f"{source}: field 'peaks.{name}' must be a number in (0, {MAX_RATE:g}], got "
+                                f"{shown(value)}")
+        return cls(
+            device=doc.str("device", max_len=256), device_label=doc.str("device_label", max_len=1024),
+            dtype=doc.str("dtype", choices=tuple(DTYPES)), peak_flops=_positive(doc, "peak_flops", MAX_RATE),
+            memory_bandwidth=_positive(doc, "memory_bandwidth", MAX_RATE),
+            op_overhead_s=doc.float("op_overhead_s", lo=0.0, hi=1.0), records=records,
+            preset=doc.str("preset", max_len=256), measured_at=doc.str("measured_at", max_len=64),
+            torch_version=doc.str("torch_version", max_len=256), peaks={k: float(v) for k, v in peaks.items()},
+            memory_bytes=doc.int("memory_bytes", 0, lo=0), tokens=_sizes(doc, "tokens"),
+            seq_lens=_sizes(doc, "seq_lens"),
+            skipped=doc.dict("skipped", {}, of=int),
+            elementwise_factor=doc.float("elementwise_factor", 0.0, lo=0.0, hi=MAX_FACTOR),
+            optimizer_factor=doc.float("optimizer_factor", 0.0, lo=0.0, hi=MAX_FACTOR),
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> EfficiencyTable:
-        """Read a table `save` wrote; a missing, garbled or outdated file raises `ZayaError` naming it."""
+        """Read a table `save` wrote (a regular file of at most 64 MiB, `zaya.reading`); a missing, garbled or
+        outdated file raises `ZayaError` naming it."""
         path = Path(path)
         try:
-            text = path.read_bytes()
+            os.lstat(path)
         except FileNotFoundError:
             raise ZayaError(f"{path}: no such GEMM table: run `zaya shapes` first") from None
-        except OSError as exc:
-            raise ZayaError(f"{path}: cannot read the GEMM table ({exc.strerror})") from None
-        try:
-            data = json.loads(text)
-        except ValueError as exc:  # not JSON, or not UTF-8
-            raise ZayaError(f"{path}: not valid JSON ({exc}): rerun `zaya shapes`") from None
-        return cls.from_dict(data, source=str(path))
+        except OSError:
+            pass  # the read below names what is wrong (a loop of links, a name too long)
+        # bytes, not text: a file that is not UTF-8 is "not valid JSON" like any other garbage
+        return cls.from_dict(parse_json(read_bytes(path, TABLE_KIND, "a GEMM table"), path), source=str(path))
+
+
+# ---- the file's fields ----------------------------------------------------------------------------------
+
+TABLE_KIND = "manifest"  # `zaya.reading` cap: 64 MiB, a hundred times the largest sweep's table
+MAX_RECORDS = 1 << 17  # a sweep of the largest preset measures a few thousand shapes
+MAX_LIST = 1 << 10  # token counts and sequence lengths of a sweep
+MAX_DIM = 1 << 32  # a GEMM's m, n, k or groups (a vocabulary, a micro-batch's tokens: 2**24 at most)
+MAX_RATE = 1e30  # FLOP/s or bytes/s: far beyond any device, and finite through every product the planner forms
+MAX_FACTOR = 1e6  # the elementwise factors: a device a million times slower than its bytes model is no device
+
+
+def _positive(doc: Fields, name: str, hi: float) -> float:
+    value = doc.float(name, lo=0.0, hi=hi)
+    if value <= 0:
+        raise ZayaError(f"{doc.source}: field '{doc.key(name)}' must be a number in (0, {hi:g}], got {shown(value)}")
+    return value
+
+
+def _sizes(doc: Fields, name: str) -> list[int]:
+    values = doc.list(name, [], of=int, max_len=MAX_LIST)
+    for i, value in enumerate(values):
+        if not 1 <= value <= MAX_DIM:
+            raise ZayaError(f"{doc.source}: field '{name}.{i}' must be an integer in 1..{MAX_DIM:,}, got {value:,}")
+    return values
+
+
+def _record(doc: Fields) -> GemmRecord:
+    dims = {name: doc.int(name, lo=1, hi=MAX_DIM) for name in ("m", "n", "k", "groups")}
+    # a call of a picosecond or less, or of FLOPs beyond 1e30, is no measurement: its rate would overflow
+    return GemmRecord(op=doc.str("op", choices=OPS), **dims, dtype=doc.str("dtype", choices=tuple(DTYPES)),
+                      seconds=doc.float("seconds", lo=1e-12, hi=1e6), flops=_positive(doc, "flops", 1e30),
+                      kind=doc.str("kind", "", max_len=256))
+
+
+def is_table_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is a regular file holding a GEMM table zaya wrote (of any version): one zaya may replace."""
+    try:
+        data = parse_json(read_bytes(path, TABLE_KIND, "a GEMM table", follow_links=False), path)
+    except ZayaError:
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT
+
+
+def check_cache(path: str | os.PathLike) -> None:
+    """Refuse to write the cached table at `path` over anything but a GEMM table zaya wrote: a link, FIFO, device
+    or directory is never replaced, and a regular file only if it parses as one of zaya's tables."""
+    path = Path(path)
+    check_output(path, overwrite=True)
+    if os.path.lexists(path) and not is_table_file(path):
+        raise ZayaError(f"{path}: exists and is not a GEMM table zaya wrote; refusing to replace it (move it "
+                        "away, or give --out)")
+
+
+def make_parent(path: Path) -> None:
+    """Create the directories above an output file; one line if they cannot be."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ZayaError(f"{path}: cannot write (a parent is not a directory)") from None
+    except OSError as exc:
+        if storage_error(exc) is not None:
+            raise
+        raise ZayaError(f"{path}: cannot write ({os_reason(exc)})") from None
 
 

@@ -8,7 +8,13 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+
+from zaya.owned import write_output
+
+MAX_HEIGHT_IN = 60.0  # inches of the heatmap (6,000 pixels): rows of many layers x experts get thinner
+FIGURES = ("loss.png", "schedule.png", "throughput.png", "expert_load.png")  # every file `write_plots` may write
 
 
 def _pyplot():
@@ -20,11 +26,14 @@ def _pyplot():
     return plt
 
 
+PLOT_LIMIT = 1e18  # values beyond it (1e308 tokens/s) are left out of a plot: matplotlib's ticks overflow on them
+
+
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     steps, values = [], []
     for row in rows:
         value = row.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= PLOT_LIMIT:
             steps.append(row["step"])
             values.append(value)
     return steps, values
@@ -61,22 +70,21 @@ def _line_plot(path: Path, title: str, panels: list[list[tuple[str, tuple[list, 
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[-1, 0].xaxis.set_major_formatter(counts)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def _heatmap(path: Path, rows: list[dict]) -> bool:
     plt = _pyplot()
     import numpy as np
 
-    loads = [(row["step"], row["expert_load"]) for row in rows if isinstance(row.get("expert_load"), list)]
-    if not loads:
-        return False
+    loads = [(row["step"], np.asarray(row["expert_load"], dtype=np.float32)) for row in rows
+             if row.get("expert_load") is not None]
+    if not loads or len({load.shape for _, load in loads}) != 1 or np.asarray(loads[0][1]).ndim != 2:
+        return False  # (`zaya.report.logs` keeps one shape; rows made by hand may mix them)
     steps = [step for step, _ in loads]
-    grid = np.array([np.array(load, dtype=float).reshape(-1) for _, load in loads]).T  # [L * E, time]
-    layers, experts = len(loads[0][1]), len(loads[0][1][0])
-    fig, ax = plt.subplots(figsize=(9, max(3.0, 0.12 * layers * experts + 1.5)))
+    grid = np.stack([load.reshape(-1) for _, load in loads]).T  # [L * E, time]
+    layers, experts = loads[0][1].shape
+    fig, ax = plt.subplots(figsize=(9, min(MAX_HEIGHT_IN, max(3.0, 0.12 * layers * experts + 1.5))))
     image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
                       extent=(steps[0], steps[-1], layers * experts, 0))
     for layer in range(1, layers):
@@ -85,10 +93,20 @@ def _heatmap(path: Path, rows: list[dict]) -> bool:
     ax.set_xlabel("step")
     ax.set_title(f"expert load (fraction of tokens; balanced = {1 / experts:.3f})")
     fig.colorbar(image, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
+
+
+def _save(plt, fig, path: Path) -> None:
+    """The figure as a PNG at `path`, replacing a file there (the report's own) but never a link, a FIFO or a
+    directory: matplotlib would write through them."""
+    try:
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    write_output(path, buffer.getvalue(), overwrite=True)
 
 
 def write_plots(rows: list[dict], out: Path) -> list[Path]:

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import dataclass
+import os
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from zaya.errors import ZayaError
-from zaya.report.plots import write_plots
-from zaya.report.summary import EVAL_HEADER, Summary, eval_rows, read_evals, summarize, summary_rows
-from zaya.resilience.incidents import read_incidents, timeline
+from zaya.errors import ZayaError, storage_error
+from zaya.owned import check_output, write_output
+from zaya.reading import os_reason, read_json
+from zaya.report.logs import Log, exists, read_evals_log, read_incidents_log, read_metrics_log
+from zaya.report.plots import FIGURES, write_plots
+from zaya.report.summary import EVAL_HEADER, Summary, eval_rows, summarize, summary_rows
+from zaya.resilience.incidents import timeline
 from zaya.run_dir import INCIDENTS_FILE, REPORT_DIR, RUN_CONFIG_FILE, SUPERVISOR_DIR
-from zaya.train.metrics import read_metrics
 
 STYLE = ("body{font-family:sans-serif;max-width:960px;margin:2em auto}img{max-width:100%}"
          "pre{background:#f4f4f4;padding:1em;overflow:auto}table{border-collapse:collapse;margin-bottom:1em}"
@@ -29,34 +33,85 @@ class Report:
     index: Path  # RUN_DIR/report/index.html
     figures: list[Path]  # the PNG plots, in the page's order
     summary: Summary
+    warnings: list[str] = field(default_factory=list)  # rows left out of the logs, one line per file
+
+
+@dataclass
+class RunReport:
+    """What `zaya report` shows: the report (None for a directory with incidents and no metrics, a supervisor's
+    state directory), the incident timeline's records, and the warnings of the logs read."""
+
+    report: Report | None
+    incidents: list[dict]
+    warnings: list[str]
+
+
+class Incidents(list):
+    """Incident records, with the warnings of the files they were read from."""
+
+    warnings: list[str]
 
 
 def incident_files(path: Path) -> list[Path]:
-    """The incident logs of a run directory or a supervisor state directory: its own and its supervisor's."""
-    return [p for p in (path / INCIDENTS_FILE, path / SUPERVISOR_DIR / INCIDENTS_FILE) if p.is_file()]
+    """The incident logs of a run directory or a supervisor state directory: its own and its supervisor's
+    (anything at those names: a FIFO or a directory there is one error when read, never skipped in silence)."""
+    return [p for p in (path / INCIDENTS_FILE, path / SUPERVISOR_DIR / INCIDENTS_FILE) if exists(p)]
 
 
-def read_all_incidents(path: Path) -> list[dict]:
-    """Every incident record under `path`, in time order."""
-    records = [record for file in incident_files(Path(path)) for record in read_incidents(file)]
-    return sorted(records, key=lambda record: record.get("time", ""))
+def read_all_incidents(path: Path) -> Incidents:
+    """Every incident record under `path`, in time order, as `zaya.report.logs` holds them (the newest 4,096 of
+    each file); `.warnings` says what was left out."""
+    records, warnings = Incidents(), []
+    for file in incident_files(Path(path)):
+        log = read_incidents_log(file)
+        records.extend(log.rows)
+        warnings += log.warnings()
+    records.sort(key=lambda record: record["time"])
+    records.warnings = warnings
+    return records
 
 
-def build_report(run_dir: str | Path) -> Report:
-    """Write the plots and `index.html` into RUN_DIR/report; returns where they are and the summary."""
+def run_report(run_dir: str | Path) -> RunReport:
+    """`zaya report RUN_DIR`: the report of a run with metrics, or of one with no incidents (the error then says
+    there are no metrics), and the incident timeline's records."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ZayaError(f"{run_dir}: no such run or state directory")
+    incidents = read_all_incidents(run_dir)
+    warnings = list(getattr(incidents, "warnings", []))
+    metrics = read_metrics_log(run_dir)
+    report = None
+    if metrics.rows or not incidents:
+        report = build_report(run_dir, metrics=metrics, incidents=incidents)
+        warnings += [w for w in report.warnings if w not in warnings]
+    else:
+        warnings += metrics.warnings()
+    return RunReport(report, list(incidents), warnings)
+
+
+def build_report(run_dir: str | Path, *, metrics: Log | None = None, incidents: list[dict] | None = None) -> Report:
+    """Write the plots and `index.html` into RUN_DIR/report (the files of those names only: a link, FIFO or
+    directory in their place is refused, and so is a `report` that is not a directory); returns where they are,
+    the summary and the warnings of the logs read. `metrics` and `incidents`: as already read."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ZayaError(f"{run_dir}: no such run directory")
-    rows = read_metrics(run_dir)
-    if not rows:
+    metrics = metrics or read_metrics_log(run_dir)
+    if not metrics.rows:
         raise ZayaError(f"{run_dir}: no metrics.jsonl rows to report")
-    out = run_dir / REPORT_DIR
-    out.mkdir(exist_ok=True)
-    figures = write_plots(rows, out)
-    incidents = read_all_incidents(run_dir)
-    summary = summarize(rows, read_evals(run_dir), incidents)
-    config_path = run_dir / RUN_CONFIG_FILE
-    config_text = config_path.read_text(encoding="utf-8") if config_path.is_file() else "{}"
+    warnings = metrics.warnings()
+    if incidents is None:
+        incidents = read_all_incidents(run_dir)
+    warnings += getattr(incidents, "warnings", [])
+    evals = read_evals_log(run_dir)
+    warnings += evals.warnings()
+    config = _config_text(run_dir / RUN_CONFIG_FILE)
+    out = _report_dir(run_dir / REPORT_DIR)
+    index = out / "index.html"
+    for name in (*FIGURES, index.name):  # before anything is drawn
+        check_output(out / name, overwrite=True)
+    figures = write_plots(metrics.rows, out)
+    summary = summarize(metrics.rows, evals.rows, incidents, metrics.peak_memory)
     page = [
         "<!doctype html><html><head><meta charset='utf-8'><title>zaya run report</title>",
         f"<style>{STYLE}</style></head><body>",
@@ -65,17 +120,44 @@ def build_report(run_dir: str | Path) -> Report:
         *_eval_table(summary),
         *[f"<h2>{path.stem.replace('_', ' ')}</h2><img src='{path.name}'>" for path in figures],
         *(["<h2>incidents</h2><pre>" + html.escape(timeline(incidents)) + "</pre>"] if incidents else []),
-        "<h2>config</h2><pre>" + html.escape(json.dumps(json.loads(config_text), indent=2)) + "</pre>",
+        "<h2>config</h2><pre>" + html.escape(config) + "</pre>",
         "</body></html>",
     ]
-    index = out / "index.html"
-    index.write_text("\n".join(page), encoding="utf-8")
-    return Report(index, figures, summary)
+    write_output(index, "\n".join(page), overwrite=True)
+    return Report(index, figures, summary, warnings)
 
 
 def make_report(run_dir: str | Path) -> Path:
     """Write the plots and `index.html` into RUN_DIR/report; returns the index path."""
     return build_report(run_dir).index
+
+
+def _config_text(path: Path) -> str:
+    """The run config as the page shows it: a JSON document of at most 4 MiB (`zaya.reading`), indented."""
+    if not exists(path):
+        return "{}"
+    return json.dumps(read_json(path, "config", "a run config"), indent=2)
+
+
+def _report_dir(out: Path) -> Path:
+    """RUN_DIR/report, made if missing; never a link (the plots would be written wherever it points)."""
+    try:
+        info = os.lstat(out)
+    except FileNotFoundError:
+        try:
+            out.mkdir()
+        except OSError as exc:
+            if storage_error(exc) is not None:
+                raise
+            raise ZayaError(f"{out}: cannot create ({os_reason(exc)})") from None
+        return out
+    except OSError as exc:
+        raise ZayaError(f"{out}: cannot write ({os_reason(exc)})") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise ZayaError(f"{out}: a symbolic link; refusing to write the report through it")
+    if not stat.S_ISDIR(info.st_mode):
+        raise ZayaError(f"{out}: exists and is not a directory; refusing to write the report there")
+    return out
 
 
 def _summary_table(summary: Summary) -> str:

@@ -10,15 +10,13 @@ what is left is time outside steps: evaluations, checkpoints, startup, and resta
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zaya.errors import ZayaError
 from zaya.report import numbers
-from zaya.run_dir import EVALS_FILE
+from zaya.report.logs import read_evals_log
 
 WARMUP_STEPS = 5  # the first steps (compilation, allocator warm-up) are left out of the throughput medians
 
@@ -68,25 +66,9 @@ def _number(value) -> float | None:
 
 
 def read_evals(run_dir: Path) -> list[dict]:
-    """The records of RUN_DIR/evals.jsonl (a torn last line, from a crash mid-write, is ignored)."""
-    path = Path(run_dir) / EVALS_FILE
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    records = []
-    for number_, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number_ == len(lines):
-                break
-            raise ZayaError(f"{path}:{number_}: not a JSON line") from None
-        if not isinstance(record, dict):
-            raise ZayaError(f"{path}:{number_}: not a JSON object")
-        records.append(record)
-    return records
+    """The records of RUN_DIR/evals.jsonl with the fields the report shows, the newest 4,096 (a torn last line,
+    from a crash mid-write, is left out; `zaya.report.logs` says what else is)."""
+    return read_evals_log(run_dir).rows
 
 
 def eval_results(records: list[dict]) -> list[EvalResult]:
@@ -130,8 +112,10 @@ def _task_notes(record: dict) -> str:
 WARNING_SIGNALS = ("expert_collapse",)
 
 
-def summarize(rows: list[dict], evals: list[dict] = (), incidents: list[dict] = ()) -> Summary:
-    """The summary of a run from its metrics rows, its evals.jsonl records and its incident records."""
+def summarize(rows: list[dict], evals: list[dict] = (), incidents: list[dict] = (),
+              peak_memory: list[int] | None = None) -> Summary:
+    """The summary of a run from its metrics rows, its evals.jsonl records and its incident records; `peak_memory`
+    (per rank, over the whole log) stands in for the rows' own when the rows held are a sample of the log."""
     summary = Summary(evals=eval_results(list(evals)))
     summary.warnings = [str((record.get("evidence") or [""])[0]) for record in incidents
                         if record.get("source") == "trainer" and record.get("signal") in WARNING_SIGNALS]
@@ -153,7 +137,10 @@ def summarize(rows: list[dict], evals: list[dict] = (), incidents: list[dict] = 
         summary.eval_ppl = ppl if ppl is not None else math.exp(min(summary.eval_loss, 50.0))
     _times(summary, rows)
     _throughput(summary, rows)
-    _memory(summary, rows)
+    if peak_memory is None:
+        _memory(summary, rows)
+    else:
+        summary.peak_memory_bytes = list(peak_memory)
     return summary
 
 
