@@ -696,9 +696,9 @@ def test_binary_junk_in_a_file_is_tolerated(tmp_path):
 
 
 def test_unreadable_files_are_a_zaya_error(tmp_path):
-    with pytest.raises(ZayaError, match=re.escape(f"{tmp_path / 'missing.log'}: cannot read log: no such file")):
+    with pytest.raises(ZayaError, match=re.escape(f"{tmp_path / 'missing.log'}: file not found")):
         classify_files([tmp_path / "missing.log"])
-    with pytest.raises(ZayaError, match=re.escape(f"{tmp_path}: cannot read log: is a directory")):
+    with pytest.raises(ZayaError, match=re.escape(f"{tmp_path}: a directory, not a regular file; a log must be")):
         classify_files([tmp_path])
 
 
@@ -774,7 +774,7 @@ def test_cli_missing_file_is_a_zaya_error(tmp_path, incident):
     missing = tmp_path / "nope.log"
     result = CliRunner().invoke(diagnose, [str(incident[0]), str(missing)])
     assert isinstance(result.exception, ZayaError)
-    assert str(result.exception) == f"{missing}: cannot read log: no such file or directory"
+    assert str(result.exception) == f"{missing}: file not found"
     result = CliRunner().invoke(diagnose, [str(tmp_path)])
     assert isinstance(result.exception, ZayaError) and str(tmp_path) in str(result.exception)
 

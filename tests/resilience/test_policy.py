@@ -47,9 +47,9 @@ def test_settings_are_typed(tmp_path):
     ("[[rule]]\nsignal = 'oom'\n", "needs both 'signal' and 'action'"),
     ("[[rule]]\nsignal = 'oom'\naction = 'stop'\nmin_count = 0\n", "'rule[0].min_count' must be a positive"),
     ("[[rule]]\nsignal = 'oom'\naction = 'stop'\nwhen = 1\n", "unknown key 'rule[0].when'"),
-    ("[heartbeat]\nfactor = 'high'\n", "'heartbeat.factor' must be float"),
-    ("[heartbeat]\nfloor_s = -1\n", "must not be negative"),
-    ("[supervisor]\nmax_no_progress = 0\n", "'supervisor.max_no_progress' must be at least 1"),
+    ("[heartbeat]\nfactor = 'high'\n", "field 'heartbeat.factor' must be a finite number in [1, 1000], got 'high'"),
+    ("[heartbeat]\nfloor_s = -1\n", "field 'heartbeat.floor_s' must be a finite number in [0, 10000000], got -1"),
+    ("[supervisor]\nmax_no_progress = 0\n", "field 'supervisor.max_no_progress' must be an integer in 1..1,000,000"),
     ("[alerts]\nx = 1\n", "unknown table 'alerts'"),
     ("[probes]\ncolour = 'red'\n", "unknown key 'probes.colour'"),
     ("[[rule]\n", "not valid TOML"),
@@ -62,5 +62,5 @@ def test_mistakes_name_the_file_and_key(tmp_path, text, message):
 
 
 def test_an_unreadable_policy_file_is_one_line(tmp_path):
-    with pytest.raises(ZayaError, match="cannot read the policy file"):
+    with pytest.raises(ZayaError, match=r"missing\.toml: file not found"):
         Policy.load(tmp_path / "missing.toml")

@@ -214,7 +214,7 @@ def test_a_crash_that_repeats_at_the_same_step_stops_with_the_no_progress_code(t
     ('[[rule]]\nsignal = "cosmic_ray"\naction = "restart"\n', "unknown signal 'cosmic_ray'"),
     ('[[rule]]\nsignal = "oom"\naction = "reboot"\n', "unknown action 'reboot'"),
     ('[supervisor]\npoll = 1\n', "unknown key 'supervisor.poll'"),
-    ('[supervisor]\npoll_s = nan\n', "'supervisor.poll_s' must be a finite number, got nan"),
+    ('[supervisor]\npoll_s = nan\n', "'supervisor.poll_s' must be a finite number in [0.01, 3600], got nan"),
 ], ids=["signal", "action", "key", "nan"])
 def test_a_bad_policy_is_one_line_and_exit_2(tmp_path, capsys, policy, message):
     (tmp_path / "policy.toml").write_text(policy)

@@ -40,7 +40,10 @@ from a prefix is the finding's subject when the line names nothing better (a PCI
 
 Speed: each line is lowercased and split into words once; only the rules whose keywords are among those
 words run their regular expressions, so 100,000 lines take a fraction of a second. Odd content (binary
-junk, endless lines) never raises: only the first 8192 characters of a line are matched.
+junk, endless lines) never raises: a file is read line by line, each line cut at 64 KiB (`zaya.reading`), only
+the first 8192 characters of a line are matched, and an evidence or cascade line is kept cut to 500 characters
+with a marker (`findings.clip`). A timestamp that does not parse or is out of the calendar's range (year 1 with
+an offset, say) leaves its line untimed.
 
 The signatures themselves (the rules, the Xid and IB status tables, the keyword dispatch) are in
 `zaya.resilience.signatures`; this module is the classifier that applies them and its public API.
@@ -55,8 +58,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from zaya.errors import ZayaError
-from zaya.resilience.findings import Finding
+from zaya.reading import read_lines
+from zaya.resilience.findings import Finding, clip
 from zaya.resilience.signatures import (
     _RULES,
     _TRACEBACK,
@@ -183,7 +186,7 @@ def _stamp_key(stamp: tuple | None) -> tuple[str, object] | None:
             digits = tz[1:].replace(":", "")
             when -= sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
         return "utc", when
-    except (ValueError, IndexError):
+    except (ValueError, IndexError, OverflowError):  # not a date, or beyond year 1..9999 once shifted to UTC
         return None
 
 
@@ -282,7 +285,7 @@ class _Classifier:
                 # when nothing else is found, so its first one is enough.
                 if kept[secondary] < (1 if secondary else _MAX_CANDIDATES_PER_SOURCE):
                     kept[secondary] += 1
-                    self.candidates.append(_Candidate(self.order, root, line, detail, subject,
+                    self.candidates.append(_Candidate(self.order, root, clip(line), clip(detail), clip(subject),
                                                       f"{source}:{lineno}" if source else "", stamp, secondary))
 
     @staticmethod
@@ -308,7 +311,7 @@ class _Classifier:
     def _add_cascade(self, line: str) -> None:
         self.cascade_total += 1
         if len(self.cascade) < MAX_CASCADE:
-            self.cascade.append(line)
+            self.cascade.append(clip(line))
 
     def result(self) -> Diagnosis:
         """The diagnosis of everything fed so far."""
@@ -379,9 +382,6 @@ def classify_files(paths: Sequence[Path]) -> Diagnosis:
 
 
 def log_lines(path: Path) -> Iterator[str]:
-    """The lines of a log file, read lazily, undecodable bytes replaced; `ZayaError` if it cannot be read."""
-    try:
-        with path.open(encoding="utf-8", errors="replace") as handle:
-            yield from handle
-    except OSError as exc:
-        raise ZayaError(f"{path}: cannot read log: {(exc.strerror or str(exc)).lower()}") from None
+    """The lines of a log file, read lazily, each cut at 64 KiB, undecodable bytes replaced; `ZayaError` if it is not
+    a regular file (a FIFO would block, a device never end) or cannot be read."""
+    return read_lines(path, "a log")

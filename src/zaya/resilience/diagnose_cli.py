@@ -6,18 +6,20 @@
 
 It prints one line (the root class, what it means, where, and the evidence) and how many cascade lines (the
 watchdog timeouts, aborts and lost peers that followed) it set aside. The exit status is 0 whatever it
-finds: the command reports, it does not judge. Only unreadable input is an error.
+finds: the command reports, it does not judge. Only unreadable input is an error: a named log must be a
+regular file (a FIFO would block, /dev/zero never end; pipe a stream into '-' instead). Every line is read cut
+at 64 KiB, and the evidence printed is cut at 500 characters, with a marker.
 """
 
 from __future__ import annotations
 
-import io
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import click
 
+from zaya.reading import bounded_lines
 from zaya.resilience.diagnose import classify_streams, log_lines
 
 STDIN = "-"
@@ -43,6 +45,11 @@ def diagnose(logs: tuple[Path, ...], as_json: bool) -> None:
 
 def _input(path: Path) -> tuple[str, Iterable[str]]:
     if str(path) == STDIN:
-        # Bytes, decoded here: a log with binary junk in it is still a log.
-        return "<stdin>", io.TextIOWrapper(click.get_binary_stream("stdin"), encoding="utf-8", errors="replace")
+        return "<stdin>", _stdin_lines()
     return str(path), log_lines(path)
+
+
+def _stdin_lines() -> Iterator[str]:
+    # Bytes, cut and decoded here: a log with binary junk (or no newline at all) in it is still a log.
+    for line in bounded_lines(click.get_binary_stream("stdin")):
+        yield line.decode("utf-8", errors="replace").rstrip("\r")

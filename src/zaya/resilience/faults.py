@@ -78,6 +78,8 @@ def parse_faults(text: str) -> list[Fault]:
                           run)
         except ValueError:
             raise ZayaError(f"{ENV}: '{item}' is not {syntax}") from None
+        if not 0 <= fault.value <= 3600:  # a `slow` of inf or 1e300 would overflow the sleep
+            raise ZayaError(f"{ENV}: '{item}': a value must be a number in [0, 3600]")
         if fault.action not in ACTIONS or fault.event not in EVENTS:
             raise ZayaError(f"{ENV}: '{item}': actions are {', '.join(ACTIONS)}, events {', '.join(EVENTS)}")
         faults.append(fault)

@@ -17,6 +17,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+EVIDENCE_CHARS = 500  # an evidence line is cut to this many characters where it is shown or recorded
+
+
+def clip(text: str, limit: int = EVIDENCE_CHARS) -> str:
+    """`text` cut to `limit` characters, with a marker saying how many were cut: a log line may hold megabytes,
+    and a diagnosis or an incident record names the line, it does not copy it."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]} [... {len(text) - limit:,} more characters cut]"
+
 
 @dataclass(frozen=True)
 class Finding:

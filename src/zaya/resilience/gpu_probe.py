@@ -33,15 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from zaya.errors import ZayaError
-from zaya.resilience.findings import Finding
+from zaya.resilience.findings import Finding, clip
 from zaya.resilience.probe_config import ProbeConfig
-from zaya.resilience.readings import ReadError, is_int, read_text, run_command, shown
+from zaya.resilience.readings import COUNTER_BOUND, ReadError, is_int, read_text, run_command, shown
 
 NVIDIA_SMI_ARGS = [
     "--query-gpu=index,pci.bus_id,ecc.errors.uncorrected.volatile.total,ecc.errors.uncorrected.aggregate.total",
     "--format=csv,noheader,nounits",
 ]
 AMD_SMI_ARGS = ["metric", "--ecc", "--json"]
+MAX_GPUS = 1 << 16  # a GPU index a tool prints beyond this is not one
 
 
 # ---- GPUs ------------------------------------------------------------------------------------------------
@@ -91,18 +92,26 @@ def _bus_key(text: str) -> str | None:
     return f"{int(domain, 16):04x}:{bus}:{device}.{function}".lower()
 
 
+def _counter(text: str) -> int | None:
+    """An unsigned 64-bit counter written in decimal, None for anything else (a note, a number of 400 digits)."""
+    text = text.strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 20):
+        return None
+    value = int(text)
+    return value if value < COUNTER_BOUND else None
+
+
 def _smi_value(text: str) -> int | None:
     """A counter from nvidia-smi's CSV: "[N/A]", "[Not Supported]" and other bracketed notes are unknown."""
-    text = text.strip()
-    return int(text) if text.isdigit() else None
+    return _counter(text)
 
 
 def _json_count(value: Any) -> int | None:
     """A counter from amd-smi's JSON: an integer, or "N/A" when unsupported."""
     if is_int(value):
-        return value
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
+        return value if 0 <= value < COUNTER_BOUND else None
+    if isinstance(value, str):
+        return _counter(value)
     return None
 
 
@@ -192,21 +201,22 @@ class GpuProbe:
         readings = {}
         for line in out.stdout.splitlines():
             fields = [part.strip() for part in line.split(",")]
-            if len(fields) != 4 or not fields[0].isdigit() or (key := _bus_key(fields[1])) is None:
+            index = _counter(fields[0]) if len(fields) == 4 else None
+            if index is None or index >= MAX_GPUS or (key := _bus_key(fields[1])) is None:
                 continue
             # an NVML error in place of a value ("[GPU is lost]") means the GPU is listed but unreachable
             if any("lost" in value.lower() for value in fields[2:]):
                 continue
             readings[key] = _GpuReading(
-                int(fields[0]), fields[1], {"volatile": _smi_value(fields[2]), "aggregate": _smi_value(fields[3])},
-                overlapping=True, evidence={"volatile": line.strip(), "aggregate": line.strip()},
+                index, clip(fields[1], 100), {"volatile": _smi_value(fields[2]), "aggregate": _smi_value(fields[3])},
+                overlapping=True, evidence={"volatile": clip(line.strip()), "aggregate": clip(line.strip())},
             )  # fmt: skip
         text = out.stdout + "\n" + out.stderr
         mentions = {}
         for line in text.splitlines():
             key = _bus_key(line)
             if key is not None and key not in readings:
-                mentions[key] = line.strip()
+                mentions[key] = clip(line.strip())
         if "No devices were found" in text:
             return _GpuSnapshot({}, complete=True, mentions=mentions)
         if out.returncode != 0:
@@ -233,20 +243,22 @@ class GpuProbe:
             data, _ = json.JSONDecoder().raw_decode(out.stdout[start:])
         except json.JSONDecodeError as exc:
             raise ReadError(f"{argv[0]}: output is not JSON ({exc})") from None
+        except RecursionError:
+            raise ReadError(f"{argv[0]}: output is JSON nested too deep") from None
         if isinstance(data, dict) and isinstance(data.get("gpu_data"), list):
             data = data["gpu_data"]
         if not isinstance(data, list):
             raise ReadError(f"{argv[0]}: expected a JSON list of GPUs, got {out.first_line()[:80]!r}")
         readings = {}
         for entry in data:
-            if not isinstance(entry, dict) or not is_int(entry.get("gpu")):
+            if not isinstance(entry, dict) or not is_int(entry.get("gpu")) or not 0 <= entry["gpu"] < MAX_GPUS:
                 continue
             index = entry["gpu"]
             ecc = entry.get("ecc")
             count = _json_count(ecc.get("total_uncorrectable_count")) if isinstance(ecc, dict) else None
             readings[str(index)] = _GpuReading(
                 index, f"gpu {index}", {"total": count}, overlapping=True,
-                evidence={"total": f"gpu {index}: ecc {json.dumps(ecc)}"},
+                evidence={"total": clip(f"gpu {index}: ecc {json.dumps(ecc)}")},
             )  # fmt: skip
         return _GpuSnapshot(readings, complete=True)
 
@@ -296,8 +308,8 @@ def _ras_ue(text: str | None) -> int | None:
     """The uncorrectable count of an amdgpu `*_err_count` file ("ue: 0", "ce: 3" and, on newer kernels, "de: 0")."""
     for line in (text or "").splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "ue" and value.strip().isdigit():
-            return int(value)
+        if key.strip() == "ue":
+            return _counter(value)
     return None
 
 

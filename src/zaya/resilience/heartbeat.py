@@ -16,6 +16,12 @@ up; `init` has its own `init_timeout_s`, counted from the group's start while no
 durations come from the ranks themselves: the recent window of each section, leaving out its first pass
 (the warm-up), and the longest over all ranks, since they step together. So the timeout tracks the run's
 real step time: a 1 s step is declared hung after a few seconds, not after the 30-minute collective timeout.
+
+The directory is read every poll and may hold anything: a file is a heartbeat only if it is named `rank-N.json`,
+is a regular file (not followed through a link, opened without blocking: a FIFO planted there is never read)
+of at most 64 KiB, and is a JSON object with every field of its type and in range. Anything else is ignored,
+with a note once per file (`HeartbeatWatcher(note=...)`), as a garbled file is. A writer's temporary file has a
+name of its own process (`.rank-N.PID-TOKEN.tmp`, created exclusively), so nothing planted is written through.
 """
 
 from __future__ import annotations
@@ -23,16 +29,25 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from zaya.errors import ZayaError
+from zaya.reading import parse_json, read_bytes
 from zaya.resilience.findings import Finding
 from zaya.resilience.processes import process_state
 
 SECTIONS = ("init", "checkpoint_load", "step", "eval", "checkpoint_save", "done")
 WINDOW = 32  # recent durations kept per section
+BEAT_NAME = re.compile(r"rank-(\d{1,7})\.json")
+TMP_NAME = re.compile(r"\.rank-\d{1,7}\.[0-9]+-[0-9a-f]+\.tmp")  # a writer's temporary file
+MAX_BEAT_FILES = 65536  # heartbeat files read per poll (a node runs at most 1,024 ranks)
+PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT
 
 
 class Heartbeat:
@@ -48,7 +63,7 @@ class Heartbeat:
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._path = self.directory / f"rank-{rank}.json"
-            self._tmp = self.directory / f".rank-{rank}.json.tmp"
+            self._tmp = self.directory / f".rank-{rank}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
 
     @property
     def enabled(self) -> bool:
@@ -75,7 +90,9 @@ class Heartbeat:
         self._section, self._since = section, now
         record = {"rank": self.rank, "pid": os.getpid(), "section": section, "step": step, "time": now,
                   "longest": {name: max(values) for name, values in self._recent.items()}}
-        with open(self._tmp, "w", encoding="utf-8") as handle:
+        # created exclusively and never through a link: the name is this process's own
+        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(json.dumps(record))
         os.replace(self._tmp, self._path)
 
@@ -104,45 +121,73 @@ class HeartbeatSettings:
 
 
 def valid_beat(record) -> bool:
-    """Whether `record` has every field of a heartbeat with a value of its type (a file in the directory that is
-    not one of ours is ignored, never trusted)."""
-    def count(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """Whether `record` has every field of a heartbeat with a value of its type and in range (a file in the directory
+    that is not one of ours is ignored, never trusted)."""
+    def count(value, bound: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < bound
 
-    def seconds(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    def seconds(value, bound: float) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+            abs(value) < bound
 
-    return (isinstance(record, dict) and count(record.get("rank")) and count(record.get("pid"))
-            and record["pid"] > 0 and isinstance(record.get("section"), str) and isinstance(record.get("step"), int)
-            and seconds(record.get("time")) and isinstance(record.get("longest", {}), dict)
-            and all(isinstance(k, str) and seconds(v) and v >= 0 for k, v in record.get("longest", {}).items()))
+    longest = record.get("longest", {}) if isinstance(record, dict) else None
+    return (isinstance(record, dict) and count(record.get("rank"), 1 << 20) and count(record.get("pid"), PID_MAX)
+            and record["pid"] > 0 and isinstance(record.get("section"), str) and len(record["section"]) <= 64
+            and count(record.get("step"), 1 << 63) and seconds(record.get("time"), 1e11)
+            and isinstance(longest, dict) and len(longest) <= len(SECTIONS)
+            and all(isinstance(k, str) and seconds(v, 1e9) and v >= 0 for k, v in longest.items()))
 
 
-def read_beats(directory: Path) -> dict[int, dict]:
-    """Every rank's latest heartbeat in `directory`, by rank (files being replaced are simply skipped)."""
-    beats = {}
-    if not directory.is_dir():
-        return beats
-    for path in directory.glob("rank-*.json"):
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue  # a torn read cannot happen (rename), but a file from a foreign writer might
-        if valid_beat(record):
-            beats[record["rank"]] = record
+def read_beats(directory: Path, problems: dict[str, str] | None = None) -> dict[int, dict]:
+    """Every rank's latest heartbeat in `directory`, by rank; a file that is not a heartbeat is left out, and why
+    goes into `problems` (by path) when given."""
+    beats: dict[int, dict] = {}
+    try:
+        entries = os.scandir(directory)
+    except OSError:
+        return beats  # not there yet (or not a directory: the supervisor refuses that before it starts)
+    with entries:
+        seen = 0
+        for entry in entries:
+            if BEAT_NAME.fullmatch(entry.name) is None:
+                continue
+            seen += 1
+            if seen > MAX_BEAT_FILES:
+                break
+            path = Path(entry.path)
+            try:
+                record = parse_json(read_bytes(path, "heartbeat", "a heartbeat", follow_links=False), path,
+                                    max_depth=4)
+            except ZayaError as exc:
+                if problems is not None:
+                    problems[str(path)] = str(exc)
+                continue
+            if valid_beat(record):
+                beats[record["rank"]] = record
+            elif problems is not None:
+                problems[str(path)] = f"{path}: not a heartbeat (a field missing, of the wrong type or out of range)"
     return beats
 
 
 class HeartbeatWatcher:
     """Reads the ranks' heartbeats of one worker group and reports a hang."""
 
-    def __init__(self, directory: Path, settings: HeartbeatSettings, started: float | None = None):
+    def __init__(self, directory: Path, settings: HeartbeatSettings, started: float | None = None,
+                 note: Callable[[str], None] | None = None):
         self.directory = Path(directory)
         self.settings = settings
         self.started = time.time() if started is None else started
+        self.note = note  # told once per file that is ignored
+        self._noted: set[str] = set()
 
     def beats(self) -> dict[int, dict]:
-        return read_beats(self.directory)
+        problems: dict[str, str] = {}
+        beats = read_beats(self.directory, problems)
+        for path, why in problems.items():
+            if path not in self._noted and self.note is not None:
+                self._noted.add(path)
+                self.note(f"warning: heartbeat file ignored: {why}")
+        return beats
 
     def progress(self) -> int:
         """The highest step any rank has reached (-1 before the first heartbeat)."""

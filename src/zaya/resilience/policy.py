@@ -17,22 +17,25 @@ Actions: `restart` (kill the group, start it again), `cordon_gpu` / `cordon_node
 this node), `skip_step` (the trainer drops the step's update), `rollback` (the trainer goes back to the last
 checkpoint and skips the data window), `stop` (end the run, exit code 4), `log` (record it, do nothing).
 The built-in rules (`DEFAULT_RULES`) follow a file's own rules, so a file only says what it changes.
+
+The file is read as any config is (`zaya.reading.read_toml`: a regular file, at most 4 MiB, nested at most 64
+deep), and every number must be finite and within its range (`BOUNDS`): a poll interval of 0 would busy-wait,
+and a timeout of 1e300 overflows the OS's timers. A mistake is one line naming the file, the key and the range.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
-
 from zaya.errors import ZayaError
+from zaya.reading import read_toml
 from zaya.resilience.findings import Finding
 from zaya.resilience.heartbeat import HeartbeatSettings
 from zaya.resilience.probe_config import ProbeConfig
+from zaya.schema import Fields, shown
 
 ACTIONS = ("restart", "cordon_gpu", "cordon_node", "skip_step", "rollback", "stop", "log")
 TRAINING_ACTIONS = ("skip_step", "rollback")  # decided inside the trainer, for its own signals
@@ -43,6 +46,34 @@ SIGNALS = (
     # the watchers' own
     "hang", "gpu_lost", "nic_flap", "disk_low", "loss_spike", "straggler", "expert_collapse",
 )
+
+
+MAX_SECONDS = 10_000_000  # any timeout or grace period: about 116 days, within every OS timer and clock
+MAX_COUNT = 1_000_000
+# the range of every number of a policy file, by its key
+BOUNDS: dict[str, tuple[float, float]] = {
+    "supervisor.poll_s": (0.01, 3600),
+    "supervisor.max_no_progress": (1, MAX_COUNT),
+    "supervisor.max_restarts": (0, MAX_COUNT),
+    "supervisor.kill_grace_s": (0, MAX_SECONDS),
+    "supervisor.stop_grace_s": (0, MAX_SECONDS),
+    "heartbeat.factor": (1, 1000),
+    "heartbeat.floor_s": (0, MAX_SECONDS),
+    "heartbeat.first_timeout_s": (0, MAX_SECONDS),
+    "heartbeat.init_timeout_s": (0, MAX_SECONDS),
+    "training.spike_ratio": (1, MAX_COUNT),
+    "training.spike_window": (1, 100_000),  # the median of this many losses is taken every step
+    "training.spike_min_history": (0, 100_000),
+    "training.spike_skip_steps": (0, MAX_COUNT),
+    "training.max_skipped_steps": (0, MAX_COUNT),
+    "training.straggler_ratio": (1, MAX_COUNT),
+    "training.straggler_min_s": (0, MAX_SECONDS),
+    "training.collapse_ratio": (1, MAX_COUNT),
+    "training.collapse_steps": (1, MAX_COUNT),
+}
+MAX_RULES = 1024
+MAX_ARGS = 64  # supervisor.kernel_log: a command and its arguments
+MAX_TEXT = 4096  # one string: a command's argument, a rule's subject
 
 
 @dataclass
@@ -127,12 +158,7 @@ class Policy:
         if path is None:
             return cls()
         path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ZayaError(f"{path}: cannot read the policy file: {exc.strerror or exc}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ZayaError(f"{path}: not valid TOML: {exc}") from None
+        data = read_toml(path, "config", "a policy file")
         where = str(path)
         known = {"supervisor", "heartbeat", "training", "probes", "rule"}
         for key in data:
@@ -146,10 +172,6 @@ class Policy:
             rules=tuple(_rule(item, index, where) for index, item in enumerate(_rules(data.get("rule", []), where))),
             source=where,
         )
-        if policy.supervisor.max_no_progress < 1:
-            raise ZayaError(f"{where}: 'supervisor.max_no_progress' must be at least 1")
-        if policy.training.collapse_steps < 1 or not policy.training.collapse_ratio >= 1:
-            raise ZayaError(f"{where}: 'training.collapse_steps' and 'training.collapse_ratio' must be at least 1")
         return policy
 
 
@@ -160,31 +182,28 @@ def _table(value: object, name: str, where: str) -> dict:
 
 
 def _rules(value: object, where: str) -> list:
-    if not isinstance(value, list):
-        raise ZayaError(f"{where}: 'rule' must be an array of tables ([[rule]])")
+    if not isinstance(value, list) or len(value) > MAX_RULES:
+        raise ZayaError(f"{where}: 'rule' must be an array of tables ([[rule]]), at most {MAX_RULES:,} of them")
     return value
 
 
 def _settings(kind, values: object, name: str, where: str):
-    values = _table(values, name, where)
-    fields = {f.name: f for f in dataclasses.fields(kind)}
+    table = Fields(_table(values, name, where), where, name)
+    known = [f.name for f in dataclasses.fields(kind)]
+    defaults = kind()
     out = {}
-    for key, value in values.items():
-        if key not in fields:
-            raise ZayaError(f"{where}: unknown key '{name}.{key}' (known: {', '.join(fields)})")
-        default = getattr(kind(), key)
-        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if type(value) is not type(default):
-            raise ZayaError(f"{where}: '{name}.{key}' must be {type(default).__name__}, got {value!r}")
-        if isinstance(value, list):
-            if not all(isinstance(item, str) for item in value):
-                raise ZayaError(f"{where}: '{name}.{key}' must be a list of strings, got {value!r}")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ZayaError(f"{where}: '{name}.{key}' must be a finite number, got {value!r}")
-        elif value < 0:
-            raise ZayaError(f"{where}: '{name}.{key}' must not be negative, got {value!r}")
-        out[key] = value
+    for key in table.data:
+        if key not in known:
+            raise ZayaError(f"{where}: unknown key '{name}.{key}' (known: {', '.join(known)})")
+        default = getattr(defaults, key)
+        if isinstance(default, list):  # a command: strings
+            out[key] = list(table.list(key, of=str, max_len=MAX_ARGS))
+            if any(len(arg) > MAX_TEXT for arg in out[key]) or (out[key] and not out[key][0]):
+                raise ZayaError(f"{where}: field '{name}.{key}' must be a command: non-empty strings of at most "
+                                f"{MAX_TEXT:,} characters")
+            continue
+        lo, hi = BOUNDS[f"{name}.{key}"]
+        out[key] = table.float(key, lo=lo, hi=hi) if isinstance(default, float) else table.int(key, lo=lo, hi=hi)
     return kind(**out)
 
 
@@ -199,16 +218,19 @@ def _rule(item: object, index: int, where: str) -> Rule:
     signals = item["signal"] if isinstance(item["signal"], list) else [item["signal"]]
     for signal in signals:
         if not isinstance(signal, str) or (signal != "*" and signal not in SIGNALS):
-            raise ZayaError(f"{where}: '{name}.signal': unknown signal {signal!r} (known: {', '.join(SIGNALS)}, *)")
+            raise ZayaError(f"{where}: '{name}.signal': unknown signal {shown(signal)} (known: {', '.join(SIGNALS)}, "
+                            "*)")
     action = item["action"]
-    if action not in ACTIONS:
-        raise ZayaError(f"{where}: '{name}.action': unknown action {action!r} (known: {', '.join(ACTIONS)})")
+    if not isinstance(action, str) or action not in ACTIONS:
+        raise ZayaError(f"{where}: '{name}.action': unknown action {shown(action)} (known: {', '.join(ACTIONS)})")
     if action in TRAINING_ACTIONS and not set(signals) <= {"nan", "loss_spike"}:
         raise ZayaError(f"{where}: '{name}.action': '{action}' is taken by the trainer, for the signals nan and "
                         "loss_spike only")
     subject, min_count = item.get("subject", "*"), item.get("min_count", 1)
-    if not isinstance(subject, str):
-        raise ZayaError(f"{where}: '{name}.subject' must be a string (a glob such as \"gpu:*\")")
-    if not isinstance(min_count, int) or isinstance(min_count, bool) or min_count < 1:
-        raise ZayaError(f"{where}: '{name}.min_count' must be a positive integer, got {min_count!r}")
+    if not isinstance(subject, str) or len(subject) > MAX_TEXT:
+        raise ZayaError(f"{where}: '{name}.subject' must be a string (a glob such as \"gpu:*\") of at most "
+                        f"{MAX_TEXT:,} characters")
+    if not isinstance(min_count, int) or isinstance(min_count, bool) or not 1 <= min_count <= MAX_COUNT:
+        raise ZayaError(f"{where}: '{name}.min_count' must be a positive integer (at most {MAX_COUNT:,}), got "
+                        f"{shown(min_count)}")
     return Rule(tuple(signals), action, subject, min_count)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from zaya.errors import ZayaError
 from zaya.resilience.readings import is_int
+from zaya.schema import shown
 
 GIB = 2**30
 GPU_BACKENDS = ("auto", "nvidia-smi", "amd-smi", "rocm-smi", "sysfs", "none")
+MAX_SECONDS = 1e7  # any timeout: about 116 days, and within what every clock and timer of the OS takes
+MAX_ITEMS = 4096  # entries of a list (a command's arguments, interfaces, directories)
+MAX_TEXT = 4096  # characters of one string (a path, an argument)
 
 @dataclass
 class ProbeConfig:
@@ -54,19 +59,22 @@ def _is_number(value: Any) -> bool:
 
 
 def _is_strings(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+    return isinstance(value, list) and len(value) <= MAX_ITEMS and all(
+        isinstance(item, str) and len(item) <= MAX_TEXT for item in value)
 
 
 # every ProbeConfig field: a test of its value and what the value must be
 _CHECKS = {
-    "root": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "root": (lambda v: isinstance(v, str) and 0 < len(v) <= MAX_TEXT, "a non-empty string (a path)"),
     "gpu": (lambda v: isinstance(v, str) and v in GPU_BACKENDS, f"one of {', '.join(GPU_BACKENDS)}"),
-    "nvidia_smi": (lambda v: _is_strings(v) and len(v) > 0, "a non-empty list of strings (the command)"),
-    "amd_smi": (lambda v: _is_strings(v) and len(v) > 0, "a non-empty list of strings (the command)"),
-    "nics": (_is_strings, "a list of strings"),
-    "storage": (_is_strings, "a list of strings"),
-    "min_free_bytes": (lambda v: is_int(v) and v >= 0, "a non-negative integer"),
-    "command_timeout_s": (lambda v: _is_number(v) and v > 0, "a positive number"),
+    "nvidia_smi": (lambda v: _is_strings(v) and len(v) > 0 and v[0] != "",
+                   "a non-empty list of strings (the command)"),
+    "amd_smi": (lambda v: _is_strings(v) and len(v) > 0 and v[0] != "", "a non-empty list of strings (the command)"),
+    "nics": (_is_strings, f"a list of strings (at most {MAX_ITEMS:,})"),
+    "storage": (_is_strings, f"a list of strings (at most {MAX_ITEMS:,})"),
+    "min_free_bytes": (lambda v: is_int(v) and 0 <= v < 2**63, "a non-negative integer (below 2**63)"),
+    "command_timeout_s": (lambda v: _is_number(v) and math.isfinite(v) and 0.01 <= v <= MAX_SECONDS,
+                          f"a number of seconds in [0.01, {MAX_SECONDS:g}]"),
 }
 
 
@@ -74,4 +82,4 @@ def _check_fields(values: dict[str, Any], where: str) -> None:
     for key, value in values.items():
         accepts, expected = _CHECKS[key]
         if not accepts(value):
-            raise ZayaError(f"{where}: 'probes.{key}' must be {expected}, got {value!r}")
+            raise ZayaError(f"{where}: 'probes.{key}' must be {expected}, got {shown(value)}")

@@ -18,6 +18,10 @@ POLICY_ENV = "ZAYA_POLICY"
 RUN_ATTEMPT_ENV = "ZAYA_RUN_ATTEMPT"
 FAULTS_ENV = "ZAYA_FAULTS"  # test-only: zaya.resilience.faults
 FAULT_LINE_ENV = "ZAYA_FAULT_LINE"  # the line the `print` fault prints
+# the supervisor's mark on one start of a group ("PID-ATTEMPT-TOKEN"): every process of the group inherits it, so
+# the supervisor finds the ones that left the group's session (zaya.resilience.processes); nothing reads it as a
+# setting
+MARK_ENV = "ZAYA_SUPERVISED"
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,8 @@ class Supervision:
 
         attempt = environ.get(RUN_ATTEMPT_ENV, "").strip()
         return cls(heartbeat_dir=path(HEARTBEAT_ENV), incidents_file=path(INCIDENTS_ENV),
-                   policy_file=path(POLICY_ENV), run_attempt=int(attempt) if attempt.isdigit() else 0,
+                   policy_file=path(POLICY_ENV),
+                   run_attempt=int(attempt) if attempt.isascii() and attempt.isdigit() and len(attempt) <= 9 else 0,
                    faults=environ.get(FAULTS_ENV, ""), fault_line=environ.get(FAULT_LINE_ENV, ""))
 
     def environ(self) -> dict[str, str]:

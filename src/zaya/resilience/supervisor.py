@@ -27,25 +27,32 @@ The state directory (shared by the supervisors of all nodes of a job, on a share
     incidents.jsonl                        every decision, appended (zaya.resilience.incidents)
     cordon.json                            {"gpus": {node: [index, ...]}, "nodes": [node, ...]}
     heartbeats/NODE/run-N/rank-R.json      the ranks' heartbeats of run N (zaya.resilience.heartbeat)
-    logs/NODE/run-N.log                    everything the group printed in run N
+    logs/NODE/run-N.log                    everything the group printed in run N, each line cut at 64 KiB
+
+What zaya finds there is checked before it is used (zaya.resilience.statedir): a link, a FIFO or a device where
+one of its files or directories goes is one line before the group starts; a heartbeat that is not one is
+ignored with a note; the supervisor removes only heartbeat files it recognises. The group's output is read as it
+comes, each line cut (zaya.resilience.output), so nothing it prints grows the supervisor.
+
+When a run ends, whatever way (finished, failed, hung, restarted, stopped, or the supervisor interrupted), every
+process of it is ended: SIGTERM, the grace period, SIGKILL. A run's processes are those below its first process,
+the members of its session and process group that are ours, and any process that carries the run's mark in its
+environment (zaya.resilience.processes): a worker's background child, one that called setsid, a rank whose
+torchrun died.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import ctypes
-import json
 import os
 import re
-import shutil
+import secrets
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from zaya.device import visible_devices, visible_devices_env
@@ -59,19 +66,28 @@ from zaya.errors import (
     STOPPED_LINE,
     ZayaError,
 )
+from zaya.reading import os_reason
 from zaya.resilience.command import WorkerCommand
 from zaya.resilience.diagnose import classify_lines
-from zaya.resilience.findings import Finding
+from zaya.resilience.findings import Finding, clip
 from zaya.resilience.heartbeat import HeartbeatWatcher
-from zaya.resilience.incidents import IncidentLog
+from zaya.resilience.incidents import IncidentLog, check_incidents_file
+from zaya.resilience.output import GroupOutput
 from zaya.resilience.policy import TRAINING_ACTIONS, Policy
 from zaya.resilience.probes import build_probes
-from zaya.resilience.processes import descendants, process_state, signal_all
-from zaya.resilience.supervision import Supervision
+from zaya.resilience.processes import attempt_processes, descendants, end_group, process_state
+from zaya.resilience.readings import ReadError, run_command
+from zaya.resilience.statedir import (
+    CORDON_FILE,
+    check_file,
+    clear_beats,
+    make_dirs,
+    open_append,
+    read_cordon,
+    write_cordon,
+)
+from zaya.resilience.supervision import MARK_ENV, Supervision
 from zaya.run_dir import INCIDENTS_FILE, SUPERVISOR_DIR
-
-CORDON_FILE = "cordon.json"
-LOG_TAIL = 5000  # lines of a run's output kept for the classifier
 
 
 @dataclass
@@ -83,18 +99,34 @@ class Outcome:
     action: str = ""
 
 
+@dataclass
+class _Run:
+    """One start of the worker group."""
+
+    process: subprocess.Popen
+    watcher: HeartbeatWatcher
+    output: GroupOutput
+    cordoned: int  # nodes cordoned by others when it started
+    mark: str  # its mark in the environment of each of its processes
+    ended: bool = False
+    started: float = field(default_factory=time.time)
+
+    def lines(self) -> list[str]:
+        return self.output.lines()
+
+
 class Supervisor:
     """Runs `command` until it finishes, recovering from what `policy` says it may recover from."""
 
     def __init__(self, command: list[str], policy: Policy, state_dir: Path, *, environ: Mapping[str, str],
                  node: str | None = None, policy_file: Path | None = None, say=print):
-        self.command = WorkerCommand(command)
+        self.command = WorkerCommand(command)  # checks torchrun's sizes before anything is sized from them
         self.policy = policy
         self.policy_file = policy_file
         self.state_dir = Path(state_dir)
         self.node = node or socket.gethostname()
         if not _NODE_NAME.fullmatch(self.node) or self.node in (".", ".."):
-            raise ZayaError(f"--node {self.node!r}: a node name is letters, digits, '.', '_' and '-' (it names "
+            raise ZayaError(f"--node {self.node[:80]!r}: a node name is letters, digits, '.', '_' and '-' (it names "
                             "directories of the state directory)")
         self.say = say
         self.incidents = IncidentLog(self.state_dir / INCIDENTS_FILE)
@@ -111,21 +143,30 @@ class Supervisor:
         self._pending: list[Finding] = []  # findings of the probes' first poll
         self._stop = None
         self._kernel_seen = 0
+        self._cordon_seen: dict | None = None  # the last cordon file that could be read
+        self._noted: set[str] = set()  # warnings said once
+
+    def _note(self, text: str) -> None:
+        if text not in self._noted:
+            self._noted.add(text)
+            self.say(text)
 
     # ---- the state shared between nodes -----------------------------------------------------------------
 
     def _cordon(self) -> dict:
+        """The cordon file; while the group runs, one that cannot be read is noted and the last reading kept (the
+        supervisor must go on watching), before the first start it is an error."""
         try:
-            data = json.loads((self.state_dir / CORDON_FILE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            data = {}
-        return {"gpus": data.get("gpus", {}), "nodes": data.get("nodes", [])}
+            self._cordon_seen = read_cordon(self.state_dir / CORDON_FILE)
+        except ZayaError as exc:
+            if self._cordon_seen is None:
+                raise
+            self._note(f"warning: {exc}; the last reading of it stands")
+        return {"gpus": dict(self._cordon_seen["gpus"]), "nodes": list(self._cordon_seen["nodes"])}
 
     def _write_cordon(self, data: dict) -> None:
-        path = self.state_dir / CORDON_FILE
-        tmp = path.with_name(f".{CORDON_FILE}.{self.node}.tmp")
-        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-        os.replace(tmp, path)
+        write_cordon(self.state_dir / CORDON_FILE, data)
+        self._cordon_seen = data
 
     def _resources(self) -> tuple[list[int], int]:
         """The GPUs of this node and the number of nodes still usable."""
@@ -134,36 +175,64 @@ class Supervisor:
         others = [n for n in cordon["nodes"] if n != self.node]
         return [g for g in self.gpus if g not in gone], self.nodes - len(others)
 
+    def _prepare(self) -> None:
+        """The state directory made, and what it holds of ours checked, before anything starts."""
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ZayaError(f"--state-dir {self.state_dir}: cannot make it ({os_reason(exc)})") from None
+        if not self.state_dir.is_dir():
+            raise ZayaError(f"--state-dir {self.state_dir}: not a directory")
+        check_incidents_file(self.incidents.path)
+        check_file(self.state_dir / CORDON_FILE, "the cordon file")
+        self._cordon()
+
     # ---- one run of the worker group ----------------------------------------------------------------------
 
-    def _start(self) -> tuple[subprocess.Popen, HeartbeatWatcher, collections.deque, int]:
+    def _start(self) -> _Run:
         # one reading of cordon.json sizes the command and is what `_watch` compares against: a node cordoned
         # just after it then means one restart more, never a run that waits for a node that is gone
         cordoned = self._cordon_count()
         gpus, nodes = self._resources()
         nproc = len(gpus) if self.command.torchrun and self.gpus else None
         argv = self.command.resized(nproc, nodes if nodes != self.nodes else None)
-        beats = self.state_dir / "heartbeats" / self.node / f"run-{self.attempt}"
-        shutil.rmtree(beats, ignore_errors=True)  # a state dir used before: its old beats would look hung
-        log_path = self.state_dir / "logs" / self.node / f"run-{self.attempt}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        beats = make_dirs(self.state_dir, "heartbeats", self.node, f"run-{self.attempt}")
+        clear_beats(beats)  # a state dir used before: its old beats would look hung
+        log = open_append(make_dirs(self.state_dir, "logs", self.node) / f"run-{self.attempt}.log", "a run's log")
         supervision = Supervision(heartbeat_dir=beats, incidents_file=self.incidents.path,
                                   policy_file=self.policy_file, run_attempt=self.attempt)
-        env = {**self.base_env, **supervision.environ()}
+        mark = f"{os.getpid()}-{self.attempt}-{secrets.token_hex(8)}"
+        env = {**self.base_env, **supervision.environ(), MARK_ENV: mark}
         if self.gpus and gpus != self.gpus:
             env.update(visible_devices_env(gpus))
         self.say(f"run {self.attempt}: {' '.join(argv)}")
-        process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   start_new_session=True, preexec_fn=_die_with_us if _PRCTL else None)
-        tail: collections.deque = collections.deque(maxlen=LOG_TAIL)
-        threading.Thread(target=_tee, args=(process.stdout, log_path, tail), daemon=True).start()
-        watcher = HeartbeatWatcher(beats, self.policy.heartbeat)
-        return process, watcher, tail, cordoned
+        try:
+            process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, start_new_session=True,
+                                       preexec_fn=_die_with_us if _PRCTL else None)
+        except OSError as exc:
+            os.close(log)
+            raise ZayaError(f"zaya supervise: cannot start '{argv[0][:200]}' ({os_reason(exc)})") from None
+        except BaseException:
+            os.close(log)
+            raise
+        output = GroupOutput(process.stdout.read1, log)
+        watcher = HeartbeatWatcher(beats, self.policy.heartbeat, note=self._note)
+        return _Run(process, watcher, output, cordoned, mark)
 
     def _cordon_count(self) -> int:
         return len([n for n in self._cordon()["nodes"] if n != self.node])
 
-    def _watch(self, process: subprocess.Popen, watcher: HeartbeatWatcher, tail, cordoned: int) -> Outcome:
+    def _poll_probes(self) -> list[Finding]:
+        findings = []
+        for probe in self.probes:
+            try:
+                findings += probe.poll()
+            except (OSError, ValueError) as exc:  # a probe reads what the machine shows; the watch goes on
+                self._note(f"warning: the {probe.name} probe could not read: {clip(str(exc), 200)}")
+        return findings
+
+    def _watch(self, run: _Run) -> Outcome:
         """Poll until the run ends or a finding calls for an action other than `log`."""
         poll = self.policy.supervisor.poll_s
         logged_hangs: set[str] = set()  # a hang the policy only logs is seen at every poll: recorded once
@@ -171,19 +240,20 @@ class Supervisor:
             if self._stop is not None:
                 return Outcome(finding=Finding("interrupted", "", f"supervisor got {self._stop.name}"),
                                action="stop")
-            code = process.poll()
-            self._note_progress(watcher)
+            code = run.process.poll()
+            self._note_progress(run.watcher)
             if code is not None:
-                time.sleep(0.2)  # let the tee thread drain the last lines
+                run.output.join(0.5)  # the last lines; a background child may hold the pipe open
                 return Outcome(code=code)
-            findings, self._pending = [*self._pending, *(f for probe in self.probes for f in probe.poll())], []
-            hang = watcher.poll()
+            findings, self._pending = [*self._pending, *self._poll_probes()], []
+            hang = run.watcher.poll()
             if hang is not None:
                 findings.append(hang)
-            if self._cordon_count() != cordoned:  # another node's supervisor decided: go on without it
+            if self._cordon_count() != run.cordoned:  # another node's supervisor decided: go on without it
                 gone = [n for n in self._cordon()["nodes"] if n != self.node]
-                return Outcome(finding=Finding("node_cordoned", f"node:{gone[-1]}",
-                                               f"node {gone[-1]} was cordoned by its supervisor"), action="restart")
+                subject = gone[-1] if gone else "?"
+                return Outcome(finding=Finding("node_cordoned", f"node:{subject}",
+                                               f"node {subject} was cordoned by its supervisor"), action="restart")
             for finding in findings:
                 rule = self.policy.decide(finding)
                 action = "restart" if rule.action in TRAINING_ACTIONS else rule.action
@@ -210,29 +280,52 @@ class Supervisor:
             self._recovering = None
         self._run_best = max(self._run_best, step)
 
+    def _end(self, run: _Run, *, graceful: bool, grace: float) -> None:
+        """End every process of `run`: SIGTERM and `grace` seconds to exit (unless `graceful` is False: a hung
+        group, or the supervisor failing), then SIGKILL for all that are left and any they started meanwhile."""
+        if run.ended:
+            return
+        run.ended = True
+        process = run.process
+        # ranks orphaned by a dead torchrun, found by their heartbeats, are signalled only if they are ours (a
+        # heartbeat file holds whatever pid was written into it)
+        ours = set(descendants(os.getpid()))
+        beat_pids = {beat["pid"] for beat in run.watcher.beats().values() if beat["pid"] in ours}
+
+        def alive() -> set[int]:
+            found = attempt_processes(process.pid, run.mark, leader_reaped=process.returncode is not None)
+            return found | {pid for pid in beat_pids if process_state(pid) not in (None, "Z")}
+
+        end_group(process, alive, graceful=graceful, grace=grace)
+        run.output.join(2.0)  # every writer of the pipe is gone: the last lines reach the log
+
     # ---- decisions ------------------------------------------------------------------------------------------
 
     def _record(self, finding: Finding, action: str, outcome: str, evidence: list[str] | None = None) -> None:
-        self.incidents.append({"source": "supervisor", "node": self.node, "signal": finding.signal,
-                               "subject": finding.subject, "evidence": evidence or [finding.line],
-                               "detail": finding.detail, "action": action, "outcome": outcome,
-                               "step": self._run_best, "attempt": self.attempt})
-        self.say(f"incident: {finding.signal}{f' {finding.subject}' if finding.subject else ''}: {finding.line} "
-                 f"-> {action}: {outcome}")
+        record = {"source": "supervisor", "node": self.node, "signal": finding.signal, "subject": finding.subject,
+                  "evidence": evidence or [finding.line], "detail": finding.detail, "action": action,
+                  "outcome": outcome, "step": self._run_best, "attempt": self.attempt}
+        try:
+            self.incidents.append(record)
+        except (ZayaError, OSError) as exc:  # the decision stands; the run's story goes on in our output
+            self._note(f"warning: incident not recorded: {exc}")
+        self.say(f"incident: {finding.signal}{f' {finding.subject}' if finding.subject else ''}: "
+                 f"{clip(finding.line)} -> {action}: {outcome}")
 
     def _kernel_lines(self) -> list[str]:
         command = self.policy.supervisor.kernel_log
         if not command:
             return []
         try:
-            text = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False).stdout
-        except (OSError, subprocess.TimeoutExpired):
+            text = run_command(command, 10.0).stdout
+        except ReadError as exc:
+            self._note(f"warning: supervisor.kernel_log: {exc}")
             return []
         lines = text.splitlines()
         new, self._kernel_seen = lines[self._kernel_seen:], len(lines)
         return new
 
-    def _diagnose(self, code: int, tail) -> Finding:
+    def _diagnose(self, code: int, tail: list[str]) -> Finding:
         diagnosis = classify_lines([*self._kernel_lines(), *tail])
         finding = diagnosis.finding()
         if not finding.line:
@@ -242,11 +335,11 @@ class Supervisor:
 
     def run(self) -> int:
         """Supervise until the run finishes or cannot go on; returns the exit code."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._prepare()
         self._kernel_lines()  # what the kernel said before we started is history
         # the probes' first poll is their baseline: counters already non-zero are history and not reported,
         # but a state that is bad now (a link down, a full disk) is, and is acted on before the first start
-        self._pending = [f for probe in self.probes for f in probe.poll()]
+        self._pending = self._poll_probes()
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             return self._loop()
@@ -258,7 +351,6 @@ class Supervisor:
         self._stop = signal.Signals(signum)
 
     def _loop(self) -> int:
-        settings = self.policy.supervisor
         while True:
             gpus, nodes = self._resources()
             if self.node in self._cordon()["nodes"]:
@@ -268,53 +360,65 @@ class Supervisor:
                 self.say("nothing left to run on: every GPU or node is cordoned")
                 return EXIT_EXHAUSTED
             self._run_best = -1
-            process, watcher, tail, cordoned = self._start()
-            started = time.time()
-            outcome = self._watch(process, watcher, tail, cordoned)
-            if outcome.code == 0:
-                self._note_progress(watcher)
-                self.say(f"run {self.attempt}: finished")
-                return EXIT_OK
-            if outcome.code == EXIT_PREEMPTED or any(STOPPED_LINE in line for line in list(tail)[-20:]):
-                # torchrun reports a worker's exit 75 as a failure of its own: the trainer's line tells
-                self._note_progress(watcher)
-                _kill(process, watcher, graceful=True, grace=settings.kill_grace_s)
-                self.say(f"run {self.attempt}: stopped early with a checkpoint; resubmit to resume")
-                return EXIT_PREEMPTED
-            detected = time.time()
-            finding, action = outcome.finding, outcome.action
-            if finding is None:  # the group died on its own
-                finding = self._diagnose(outcome.code, tail)
-                # a mistake in the config shows at once, in the first run; a later start-up failure (a peer that
-                # did not join in time) is worth a restart
-                if self.attempt == 0 and self._run_best < 0 and any("zaya: error" in line for line in tail):
-                    self._record(finding, "stop", "bad input before the first step: no restart can fix it",
-                                 [finding.line])
-                    return EXIT_BAD_INPUT
-                rule = self.policy.decide(finding)
-                action = "restart" if rule.action in (*TRAINING_ACTIONS, "log") else rule.action
-            interrupted = finding.signal == "interrupted"
-            _kill(process, watcher, graceful=finding.signal != "hang",
-                  grace=settings.stop_grace_s if interrupted else settings.kill_grace_s)
-            if interrupted:
-                return 128 + self._stop.value
-            progressed = self._run_best > self.best_step
-            self.best_step = max(self.best_step, self._run_best)
-            self.no_progress = 0 if progressed else self.no_progress + 1
-            if action not in ("stop", "cordon_node"):  # the actions that start the group again
-                if self.no_progress >= settings.max_no_progress:
-                    self._record(finding, "stop", f"no progress past step {self.best_step} in {self.no_progress} "
-                                 f"runs in a row (the policy said {action})")
-                    return EXIT_NO_PROGRESS
-                if self.attempt + 1 > settings.max_restarts:
-                    self._record(finding, "stop", f"supervisor.max_restarts ({settings.max_restarts}) spent "
-                                 f"(the policy said {action})")
-                    return EXIT_EXHAUSTED
-            code = self._act(finding, action, detected - started)
+            run = self._start()
+            try:
+                code = self._attempt(run)
+            finally:  # whatever way the attempt ended, nothing of it outlives it
+                self._end(run, graceful=False, grace=0.0)
             if code is not None:
                 return code
-            self._recovering = {"step": max(self._run_best, 0), "detected": detected, "signal": finding.signal}
             self.attempt += 1
+
+    def _attempt(self, run: _Run) -> int | None:
+        """Watch one run to its end and act on it; an exit code ends the supervisor, None starts the next run."""
+        settings = self.policy.supervisor
+        outcome = self._watch(run)
+        if outcome.code == 0:
+            self._note_progress(run.watcher)
+            self._end(run, graceful=True, grace=settings.kill_grace_s)
+            self.say(f"run {self.attempt}: finished")
+            return EXIT_OK
+        if outcome.code == EXIT_PREEMPTED or any(STOPPED_LINE in line for line in run.lines()[-20:]):
+            # torchrun reports a worker's exit 75 as a failure of its own: the trainer's line tells
+            self._note_progress(run.watcher)
+            self._end(run, graceful=True, grace=settings.kill_grace_s)
+            self.say(f"run {self.attempt}: stopped early with a checkpoint; resubmit to resume")
+            return EXIT_PREEMPTED
+        detected = time.time()
+        finding, action = outcome.finding, outcome.action
+        if finding is None:  # the group died on its own
+            tail = run.lines()
+            finding = self._diagnose(outcome.code, tail)
+            # a mistake in the config shows at once, in the first run; a later start-up failure (a peer that
+            # did not join in time) is worth a restart
+            if self.attempt == 0 and self._run_best < 0 and any("zaya: error" in line for line in tail):
+                self._end(run, graceful=True, grace=settings.kill_grace_s)
+                self._record(finding, "stop", "bad input before the first step: no restart can fix it",
+                             [finding.line])
+                return EXIT_BAD_INPUT
+            rule = self.policy.decide(finding)
+            action = "restart" if rule.action in (*TRAINING_ACTIONS, "log") else rule.action
+        interrupted = finding.signal == "interrupted"
+        self._end(run, graceful=finding.signal != "hang",
+                  grace=settings.stop_grace_s if interrupted else settings.kill_grace_s)
+        if interrupted:
+            return 128 + self._stop.value
+        progressed = self._run_best > self.best_step
+        self.best_step = max(self.best_step, self._run_best)
+        self.no_progress = 0 if progressed else self.no_progress + 1
+        if action not in ("stop", "cordon_node"):  # the actions that start the group again
+            if self.no_progress >= settings.max_no_progress:
+                self._record(finding, "stop", f"no progress past step {self.best_step} in {self.no_progress} "
+                             f"runs in a row (the policy said {action})")
+                return EXIT_NO_PROGRESS
+            if self.attempt + 1 > settings.max_restarts:
+                self._record(finding, "stop", f"supervisor.max_restarts ({settings.max_restarts}) spent "
+                             f"(the policy said {action})")
+                return EXIT_EXHAUSTED
+        code = self._act(finding, action, detected - run.started)
+        if code is None:
+            self._recovering = {"step": max(self._run_best, 0), "detected": detected, "signal": finding.signal}
+        return code
 
     def _act(self, finding: Finding, action: str, ran_for: float) -> int | None:
         """Carry out `action` (the group is already down); an exit code ends the supervisor."""
@@ -368,35 +472,6 @@ def _die_with_us() -> None:
     """In the group's first process, before exec: SIGTERM when the supervisor dies, so that a supervisor killed
     by a person or the OOM killer does not leave a group running unwatched (torchrun passes it on)."""
     _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _tee(stream, path: Path, tail: collections.deque) -> None:
-    """Copy the group's output to our stdout and the run's log file, keeping the tail for the classifier."""
-    with path.open("ab") as log:
-        for raw in iter(stream.readline, b""):
-            log.write(raw)
-            log.flush()
-            os.write(1, raw)
-            tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
-
-
-def _kill(process: subprocess.Popen, watcher: HeartbeatWatcher, *, graceful: bool, grace: float) -> None:
-    """End the whole group: SIGTERM and `grace` seconds to exit (unless it is hung), then SIGKILL for all."""
-    victims = {process.pid, *descendants(process.pid)}
-    # ranks orphaned by a dead torchrun: found by their heartbeats, signalled only if they are ours (a heartbeat
-    # file holds whatever pid was written into it)
-    ours = set(descendants(os.getpid()))
-    victims |= {beat["pid"] for beat in watcher.beats().values() if beat["pid"] in ours}
-    if graceful and process.poll() is None:
-        signal_all(victims, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(grace)
-    victims |= set(descendants(process.pid)) if process.poll() is None else set()
-    signal_all(victims, signal.SIGKILL)
-    process.wait()
-    deadline = time.time() + 10
-    while time.time() < deadline and any(process_state(pid) not in (None, "Z") for pid in victims):
-        time.sleep(0.05)
 
 
 def default_state_dir(command: list[str]) -> Path:
