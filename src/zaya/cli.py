@@ -219,30 +219,16 @@ def _print_generation(run: Callable[..., torch.Tensor], prompt: str | None, outp
         if printing:
             click.echo(",".join(str(i) for i in new[0].tolist()))
         return
-    # stream text as it is produced. Each token is decoded with the few before it (produced[start:]: a token's
-    # text can depend on its neighbours, and a multi-byte character can span tokens), never the whole
-    # continuation, which would make a long output quadratic; text ending in an incomplete character (or no
-    # text) waits for the next token, up to `pending_limit` tokens
-    produced: list[int] = []
-    start = seen = 0  # produced[start:seen] decodes to what was last printed of the window
-    pending_limit = 16
-
-    def show(token: torch.Tensor) -> None:
-        nonlocal start, seen
-        produced.append(int(token[0]))
-        before = tok.decode(produced[start:seen])
-        text = tok.decode(produced[start:])
-        if len(produced) - seen > pending_limit or (len(text) > len(before) and not text.endswith("\ufffd")):
-            click.echo(text[len(before):], nl=False)
-            start, seen = seen, len(produced)
+    from zaya.infer.stream import TextStream
 
     if not printing:
         run(None)
         return
+    stream = TextStream(tok)
     if prompt is not None:
         click.echo(prompt, nl=False)
-    run(show)
-    click.echo(tok.decode(produced[start:])[len(tok.decode(produced[start:seen])):])
+    run(lambda token: click.echo(stream.push(int(token[0])), nl=False))
+    click.echo(stream.rest())
 
 
 def _join_job(launch: Launch, device: torch.device) -> bool:
