@@ -1,6 +1,6 @@
 """One writer per directory: while a process holds a run directory or a dataset's output, a second `zaya train` or
 `zaya data build` into it stops in one line naming the holder, and changes nothing; a holder that died (even by
-SIGKILL) leaves no lock behind, and a build cleans up what killed builds left."""
+SIGKILL) leaves no lock behind, and a build cleans up what killed builds left (only what their markers prove)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from runs import write_config
 from zaya.locking import DirectoryLock, lock_path
+from zaya.owned import Staging
 
 HOLD = """
 import sys, time
@@ -73,14 +74,15 @@ def test_a_second_build_into_one_output_stops_and_a_build_cleans_up_after_killed
     finally:
         holder.kill()
         holder.wait()
-    stale = [tmp_path / ".data.partial-0123456789ab", tmp_path / ".data.old-xyz"]
-    for directory in stale:
-        (directory / "dataset").mkdir(parents=True)
-        (directory / "dataset" / "tokens.bin").write_bytes(b"\0" * 64)
-    unrelated = tmp_path / ".other.partial-0123456789ab"
-    unrelated.mkdir()
+    killed = Staging(out, "zaya data build").__enter__()  # what a build killed by SIGKILL leaves: with its marker
+    killed.path.mkdir()
+    (killed.path / "train.00000.bin").write_bytes(b"\0" * 64)
+    # named as staging directories were, but without a marker: not provably zaya's, so left alone
+    unmarked = [tmp_path / ".data.partial-0123456789ab", tmp_path / ".data.old-xyz", tmp_path / ".other.zaya-1-ab"]
+    for directory in unmarked:
+        directory.mkdir()
     assert cli(*args)[0] == 0
-    assert not any(d.exists() for d in stale) and unrelated.is_dir() and (out / "manifest.json").is_file()
+    assert not killed.root.exists() and all(d.is_dir() for d in unmarked) and (out / "manifest.json").is_file()
     assert not lock_path(out).exists()  # let go, and removed
 
 

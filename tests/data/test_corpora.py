@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from zaya.data import build_worker as build_worker_module
 from zaya.data import compressed as compressed_module
 from zaya.data import json_array as json_array_module
+from zaya.data import records as records_module
 from zaya.data.build import BuildOptions, build_dataset
 from zaya.data.cli import data
 from zaya.data.corpus import ReadOptions, Selection, discover, location, read_piece, split_file
@@ -190,9 +191,10 @@ def _write_records(kind: str, root: Path, docs, saved: Path) -> tuple[list[Path]
 @pytest.mark.parametrize("kind", RECORD_KINDS)
 def test_every_record_format_builds_the_jsonl_dataset(tmp_path, documents, kind, monkeypatch, request):
     # small blocks, so that records straddle the decompressor's, the JSON scanner's and the parser's reads
-    for name in ("_BLOCK", "_MIN_BLOCK", "_MAX_BLOCK"):
+    for name in ("_BLOCK", "_MAX_BLOCK", "_OUTPUT"):
         monkeypatch.setattr(compressed_module, name, 1024)
     monkeypatch.setattr(json_array_module, "_BLOCK", 4096)
+    monkeypatch.setattr(records_module, "_BLOCK", 1000)
     saved = request.getfixturevalue("saved_datasets") if kind.startswith("dataset") else None
     reference = _build(tmp_path, "reference", [_jsonl(tmp_path / "a.jsonl", documents)], val_fraction=0.2)
     (tmp_path / "in").mkdir()
@@ -224,8 +226,9 @@ def test_text_kinds_build_the_txt_dataset(tmp_path, documents):
 
 
 def test_compressed_text_with_a_separator(tmp_path, documents, monkeypatch):
-    for name in ("_BLOCK", "_MIN_BLOCK", "_MAX_BLOCK"):
+    for name in ("_BLOCK", "_MAX_BLOCK", "_OUTPUT"):
         monkeypatch.setattr(compressed_module, name, 512)
+    monkeypatch.setattr(records_module, "_BLOCK", 500)
     separator = "<|end|>"
     joined = (separator.join(documents) + separator).encode("utf-8")
     (tmp_path / "all.txt").write_bytes(joined)

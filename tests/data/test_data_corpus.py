@@ -139,7 +139,7 @@ def test_a_text_file_is_one_document(tmp_path):
 
 def test_unreadable_files(tmp_path):
     (tmp_path / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
-    with pytest.raises(ZayaError, match=r"gone.txt: cannot read \(No such file or directory\)"):
+    with pytest.raises(ZayaError, match=r"gone.txt: cannot read \(no such file or directory\)"):
         discover([tmp_path])
 
 

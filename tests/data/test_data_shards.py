@@ -67,7 +67,7 @@ def test_fingerprint_is_the_manifest_hash_not_the_place(position_dataset):
         (lambda p: _edit(p, lambda m: m.pop("dtype")), "missing field 'dtype'"),
         (lambda p: _edit(p, lambda m: m.update(version=9)), "field 'version' is 9"),
         (lambda p: _edit(p, lambda m: m["splits"]["train"].update(num_tokens="many")),
-         "field 'splits.train.num_tokens' must be int"),
+         "field 'splits.train.num_tokens' must be an integer"),
         (lambda p: _edit(p, lambda m: m["splits"]["train"]["shards"][0].update(file="../x.bin")),
          "must be a plain file name"),
         (lambda p: _edit(p, lambda m: m["tokenizer"].update(file="/etc/passwd")),

@@ -51,7 +51,9 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -86,6 +88,7 @@ _CHAT_KINDS = ("jsonl", "json", "parquet", "arrow")  # JSON records, or tables w
 DEFAULT_TOKENIZER_SAMPLE_BYTES = 1 << 30
 _SPILL_DIR = ".tokens"
 _TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
+_PR_SET_PDEATHSIG = 1  # prctl: the signal a process gets when its parent dies
 
 
 @dataclass(frozen=True)
@@ -159,11 +162,12 @@ def build_dataset(options: BuildOptions) -> BuildReport:
         except BaseException:
             writer.abort()
             raise
-        shutil.rmtree(spill)
+        shutil.rmtree(spill)  # inside this build's own staging directory: only what its workers wrote
         if tally.documents == 0:
             writer.abort()
+            first = f"; the first: {tally.problems[0]}" if tally.problems else ""
             raise ZayaError(f"no documents in the inputs ({len(files)} files, {tally.text_bytes} bytes of text, "
-                            f"{tally.bad_records} bad records)")
+                            f"{tally.bad_records} bad records{first})")
         template = None if chat is None else {"template": chat.template, "end_of_turn": chat.end_of_turn}
         manifest = writer.finish(tokenizer_json, info.to_dict(), tally.corpus(), template)
         report = BuildReport(
@@ -230,8 +234,48 @@ def _train_tokenizer(options: BuildOptions, files: Sequence[InputFile], pieces: 
         texts = (part for text in texts for part in cut.split(text) if part)
     if options.progress:
         print("training the tokenizer", file=sys.stderr)
-    tokenizer = train_bpe(texts, options.vocab_size, progress=options.progress, extra_special_tokens=markers)
+    tokenizer = _interruptible(
+        lambda feed: train_bpe(feed, options.vocab_size, progress=options.progress, extra_special_tokens=markers),
+        texts)
     return tokenizer, tokenizer_bytes(tokenizer)
+
+
+class _Stopped(Exception):
+    """Raised into the BPE trainer's input when the build is interrupted: it ends the training."""
+
+
+def _interruptible(train: Callable[[Iterator[str]], Tokenizer], texts: Iterator[str]) -> Tokenizer:
+    """`train(texts)`, run in a thread while this one waits. The trainer reads its input from threads of its
+    own and keeps the main thread in native code until it ends, and Python runs the handlers of Ctrl-C and
+    SIGTERM only in the main thread: without this a build would ignore them for as long as training takes.
+    When one arrives here, the input stops, which ends the training, and the interruption goes on its way."""
+    stop = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def feed() -> Iterator[str]:
+        for text in texts:
+            if stop.is_set():
+                raise _Stopped
+            yield text
+
+    def run() -> None:
+        try:
+            outcome["tokenizer"] = train(feed())
+        except BaseException as exc:  # handed to the main thread below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="zaya-bpe", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.1)
+    except BaseException:
+        stop.set()
+        thread.join()
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["tokenizer"]
 
 
 def _training_texts(options: BuildOptions, files: Sequence[InputFile], pieces: Sequence[Piece],
@@ -253,7 +297,7 @@ def _training_texts(options: BuildOptions, files: Sequence[InputFile], pieces: S
         try:
             for record in stream:
                 if record.text is None:
-                    if options.strict:
+                    if options.strict or record.fatal:
                         where = location(file, records_before[piece.file] + record.index, read)
                         raise ZayaError(f"{where}: {record.problem}")
                     continue
@@ -326,10 +370,11 @@ def _tokenize(options: BuildOptions, files: Sequence[InputFile], pieces: Sequenc
 def _collect(job: Job, result: JobResult, tally: _Tally, records_before: list[int], read: ReadOptions,
              writer: DatasetWriter) -> None:
     """Write one unit's tokens and account for its records; `records_before` numbers records per file."""
+    if result.fatal is not None:  # --strict's first bad record, or a template past its budget
+        i, index, problem = result.fatal
+        raise ZayaError(f"{location(job.files[i], records_before[job.pieces[i].file] + index, read)}: {problem}")
     for i, index, problem in result.problems:
         where = location(job.files[i], records_before[job.pieces[i].file] + index, read)
-        if result.fatal:
-            raise ZayaError(f"{where}: {problem}")
         tally.note(f"{where}: {problem}")
     tally.bad_records += result.bad_records
     for i, index in result.invalid_utf8:
@@ -359,14 +404,26 @@ def _mapper(workers: int) -> Iterator[Callable[[Callable, Iterable], Iterator]]:
     previous = os.environ.get(_TOKENIZERS_PARALLELISM)
     os.environ[_TOKENIZERS_PARALLELISM] = "false"
     try:
-        pool = multiprocessing.get_context(method).Pool(workers)
+        pool = multiprocessing.get_context(method).Pool(workers, initializer=_worker_signals)
     finally:
         if previous is None:
             del os.environ[_TOKENIZERS_PARALLELISM]
         else:
             os.environ[_TOKENIZERS_PARALLELISM] = previous
-    with pool:
+    with pool:  # leaving it in any way (an error, Ctrl-C, SIGTERM) terminates the workers and waits for them
         yield functools.partial(pool.imap, chunksize=1)
+
+
+def _worker_signals() -> None:
+    """A worker leaves interruptions to the main process: Ctrl-C (sent to the whole process group) is ignored,
+    SIGTERM (the pool's own way to end a worker) ends it at once, without a traceback, and it ends with the
+    main process if that is killed outright (Linux)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _write_build_info(path: Path, options: BuildOptions, workers: int, report: BuildReport) -> None:

@@ -57,7 +57,8 @@ class JobResult:
     bad_records: int = 0
     invalid_utf8_documents: int = 0
     text_bytes: int = 0
-    fatal: bool = False
+    # what stops the build: --strict's first bad record, or a chat template past its budget
+    fatal: tuple[int, int, str] | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -77,12 +78,12 @@ def encode_job(job: Job) -> JobResult:
             stream = stream_piece(file, piece, job.read)
             for record in stream:
                 if record.text is None:
+                    if job.strict or record.fatal:
+                        result.fatal = (i, record.index, record.problem)
+                        return result
                     result.bad_records += 1
                     if len(result.problems) < MAX_REPORTED_PROBLEMS:
                         result.problems.append((i, record.index, record.problem))
-                    if job.strict:
-                        result.fatal = True
-                        return result
                     continue
                 if record.invalid_utf8:
                     result.invalid_utf8_documents += 1

@@ -17,6 +17,17 @@ templates render a conversation as its beginning plus the new turn), and it ends
 marker that follows its content. The end-of-turn marker is what the template writes right after an
 assistant's content, found once, by rendering a probe conversation.
 
+Rendering every assistant turn's beginning costs time quadratic in the chat's length, so it is done only for
+chats of up to `_EXACT_REPLIES` replies (nearly all of them). A longer chat is rendered twice more: with a
+private-use character (U+E000 and up, or U+F0000 and up if the chat uses those) in front of each reply's
+content, and if the template trims it, after its leading whitespace instead. Where those characters land is
+where the replies start; the tagged text without them must be the plain one, and the first and last replies'
+starts are checked against the renderings of the turns before them, as for a short chat. Whatever does not
+agree makes the chat a bad record rather than a guess. Every render runs under a budget sized from the chat
+(`sandbox.py`): a template that loops without end or grows a string without bound stops the build with one
+line naming the template and the chat. A chat has at most `MAX_CHAT_TURNS` (10,000) messages and
+`MAX_CHAT_BYTES` (16 MiB).
+
 Markers are the strings shaped `<|name|>`, `<name>` or `</name>` that a template writes around the messages
 (`<|im_start|>` and `<|im_end|>` for the default, a ChatML-like template). A BPE trained for a chat dataset
 gets them as special tokens; a given tokenizer must have each as one token already.
@@ -25,15 +36,16 @@ gets them as special tokens; a given tokenizer must have each as one token alrea
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from zaya.data.records import Record, clean
+from zaya.data.records import MAX_CHAT_TURNS, Record, clean
+from zaya.data.sandbox import TemplateBudget, budget_for, compile_bounded, render, tojson
 from zaya.errors import ZayaError
+from zaya.reading import MAX_DEPTH, check_depth, read_text
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_CHAT_TEMPLATE = (
@@ -45,6 +57,10 @@ DEFAULT_CHAT_TEMPLATE = (
 _MARKER = re.compile(r"<\|[^\s<>|]+\|>|</?[A-Za-z][\w.-]*>")
 # probe contents: plain words, so that no template transformation (trim, capitalize aside) changes them
 _PROBE = {"system": "zaya probe system", "user": "zaya probe user", "assistant": "zaya probe assistant"}
+_EXACT_REPLIES = 8  # chats with more replies are rendered in linear time (see the module docstring)
+# the character put before the k-th reply is chr(first + k), from the first of these ranges of private-use
+# characters that the chat does not use: the basic plane's keeps the tagged text at two bytes a character
+_TAG_RANGES = ((0xE000, 0xF8FF), (0xF0000, 0xFFFFD))
 
 
 class ChatProblem(ValueError):
@@ -61,6 +77,7 @@ class ChatFormat:
     eos_token: str | None
     markers: tuple[str, ...]
     end_of_turn: str
+    source: str = "the chat template"  # the template's name in messages: its file, or what it is
 
     @classmethod
     def create(cls, template: str, *, bos_token: str | None = None, eos_token: str | None = None,
@@ -68,33 +85,35 @@ class ChatFormat:
         """Check a template and find its markers and end-of-turn marker; `tokens` are further strings that
         count as markers (a given tokenizer's added tokens), `source` names the template in errors."""
         compile_template(template, source)
-        probe = cls(template, bos_token, eos_token, (), "")
+        probe = cls(template, bos_token, eos_token, (), "", source)
         markers = _scaffold_markers(probe, source)
         end = _end_of_turn(probe, {*markers, *tokens, *(t for t in (bos_token, eos_token) if t)}, source)
         if end not in markers:
             markers = (*markers, end)
-        return cls(template, bos_token, eos_token, markers, end)
+        return cls(template, bos_token, eos_token, markers, end, source)
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-        """The template's text for a conversation (exceptions of the template and of Jinja pass through)."""
+        """The template's text for a conversation, rendered under the budget of its size (exceptions of the
+        template and of Jinja pass through; going past the budget is a `TemplateBudget` naming the template)."""
         variables = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt}
         variables.update({k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token)) if v})
-        return compile_template(self.template).render(**variables)
+        try:
+            return render(compile_template(self.template, self.source), variables, _budget(messages))
+        except TemplateBudget as exc:
+            raise TemplateBudget(f"{self.source}: the chat template went past its budget ({exc})") from None
 
     def render_with_spans(self, messages: Sequence[dict]) -> tuple[str, tuple[tuple[int, int], ...]]:
         """The conversation's text, and the character span [start, stop) of each assistant turn: its content and
         the end-of-turn marker after it (see the module docstring). Raises `ChatProblem`."""
         text = self.render(messages)
+        replies = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+        if len(replies) <= _EXACT_REPLIES:
+            starts = [self._start(messages, i, text) for i in replies]
+        else:
+            starts = self._tagged_starts(messages, replies, text)
         spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prefix = self.render(messages[:i], add_generation_prompt=True)
-            if not text.startswith(prefix):
-                raise ChatProblem(f"the chat template renders the turns before message {i + 1} differently once "
-                                  "it follows, so its start cannot be told")
-            start = len(prefix)
-            content = message["content"]
+        for i, start in zip(replies, starts, strict=True):
+            content = messages[i]["content"]
             after = start + len(content) if text.startswith(content, start) else start
             stop = text.find(self.end_of_turn, after)
             if stop < 0:
@@ -102,9 +121,43 @@ class ChatFormat:
             spans.append((start, stop + len(self.end_of_turn)))
         return text, tuple(spans)
 
+    def _start(self, messages: Sequence[dict], i: int, text: str) -> int:
+        """Where message `i` (a reply) starts: where the turns before it end, with the generation prompt."""
+        prefix = self.render(messages[:i], add_generation_prompt=True)
+        if not text.startswith(prefix):
+            raise ChatProblem(f"the chat template renders the turns before message {i + 1} differently once "
+                              "it follows, so its start cannot be told")
+        return len(prefix)
+
+    def _tagged_starts(self, messages: Sequence[dict], replies: list[int], text: str) -> list[int]:
+        """The replies' starts from one more render, with a private-use character before each reply's content (or
+        after its leading whitespace, for templates that trim it); checked against `_start` for the first and
+        the last reply."""
+        first, tags = _free_tags(messages, len(replies))
+        for after_space in (False, True):
+            tagged = [dict(m) for m in messages]
+            for k, i in enumerate(replies):
+                content = tagged[i]["content"]
+                cut = len(content) - len(content.lstrip()) if after_space else 0
+                tagged[i]["content"] = content[:cut] + chr(first + k) + content[cut:]
+            marked = self.render(tagged)
+            found = [(m.start(), ord(m.group()) - first) for m in tags.finditer(marked)]
+            if [k for _, k in found] == list(range(len(replies))) and _same_but_tags(marked, found, text):
+                break
+        else:
+            raise ChatProblem("the chat template does not write each reply's content as it is given, so the "
+                              "replies of a chat this long cannot be told")
+        del marked, tagged
+        starts = [position - k for position, k in found]
+        for k in {0, len(replies) - 1}:
+            if self._start(messages, replies[k], text) != starts[k]:
+                raise ChatProblem(f"the chat template does not start message {replies[k] + 1} right after the "
+                                  "generation prompt, so the replies of a chat this long cannot be told")
+        return starts
+
     def record(self, index: int, value: dict, invalid_utf8: bool = False) -> Record:
         """The document of one chat record (a JSON object with `messages`), or a bad record saying what is
-        wrong."""
+        wrong (a fatal one when the template goes past its budget: that is the template's problem)."""
         messages, problem = check_messages(value)
         if problem is not None:
             return Record(index, None, problem)
@@ -116,10 +169,40 @@ class ChatFormat:
             text, spans = self.render_with_spans(messages)
         except ChatProblem as exc:
             return Record(index, None, str(exc))
+        except TemplateBudget as exc:
+            return Record(index, None, f"{exc} on this chat", fatal=True)
         except Exception as exc:  # whatever the template raises is this record's problem
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            return Record(index, None, f"the chat template failed on this chat ({first})")
+            return Record(index, None, f"the chat template failed on this chat ({first[:200]})")
         return Record(index, text, invalid_utf8=invalid, spans=spans)
+
+
+def _free_tags(messages: Sequence[dict], count: int):
+    """The first of `count` private-use characters that no field of the chat holds, and a pattern finding them."""
+    for low, high in _TAG_RANGES:
+        if count <= high - low + 1:
+            tags = re.compile(f"[{chr(low)}-{chr(low + count - 1)}]")
+            if not any(tags.search(v) for m in messages for v in m.values() if isinstance(v, str)):
+                return low, tags
+    raise ChatProblem("the chat holds the private-use characters zaya needs to find the replies of a chat this "
+                      "long")
+
+
+def _same_but_tags(marked: str, found: list[tuple[int, int]], text: str) -> bool:
+    """Whether `marked` without the characters at `found` is `text`, compared piece by piece (no whole copy)."""
+    if len(marked) != len(text) + len(found):
+        return False
+    start = 0
+    for shift, (position, _) in enumerate(found):
+        if marked[start:position] != text[start - shift:position - shift]:
+            return False
+        start = position + 1
+    return marked[start:] == text[start - len(found):]
+
+
+def _budget(messages: Sequence[dict]):
+    chars = sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
+    return budget_for(chars, len(messages))
 
 
 def check_messages(value: dict) -> tuple[list[dict] | None, str | None]:
@@ -130,6 +213,12 @@ def check_messages(value: dict) -> tuple[list[dict] | None, str | None]:
     messages = value["messages"]
     if not isinstance(messages, list):
         return None, f"field 'messages' is {type(messages).__name__}, not a list"
+    if len(messages) > MAX_CHAT_TURNS:
+        return None, f"a chat of {len(messages):,} messages, more than {MAX_CHAT_TURNS:,} (the limit for one chat)"
+    try:
+        check_depth(messages, "", MAX_DEPTH)  # the template may walk what a message holds
+    except ZayaError:
+        return None, f"field 'messages' is nested more than {MAX_DEPTH} deep"
     checked = []
     for i, message in enumerate(messages, start=1):
         if not isinstance(message, dict):
@@ -161,11 +250,8 @@ def span_mask(offsets: np.ndarray | Sequence[tuple[int, int]], spans: Sequence[t
 
 
 def read_template(path) -> str:
-    """A chat template file's text, checked to compile."""
-    try:
-        template = open(path, encoding="utf-8").read()  # noqa: SIM115 - closed when read
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ZayaError(f"{path}: cannot read the chat template ({getattr(exc, 'strerror', None) or exc})") from None
+    """A chat template file's text (a regular file of at most 1 MiB, UTF-8), checked to compile."""
+    template = read_text(path, "template", "a chat template")
     compile_template(template, str(path))
     return template
 
@@ -174,7 +260,6 @@ def read_template(path) -> str:
 def _compiled(template: str):
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):
         # transformers marks assistant text with {% generation %}; zaya finds the spans itself
@@ -185,17 +270,10 @@ def _compiled(template: str):
             return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
     def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+        raise jinja2.exceptions.TemplateError(str(message)[:1000])
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # transformers' filter: Jinja's own escapes HTML characters
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[Generation, jinja2.ext.loopcontrols])
-    environment.filters["tojson"] = tojson
-    environment.globals["raise_exception"] = raise_exception
-    return environment.from_string(template)
+    return compile_bounded(template, {"raise_exception": raise_exception}, {"tojson": tojson},
+                           [Generation, jinja2.ext.loopcontrols])
 
 
 def compile_template(template: str, source: str = "the chat template"):
@@ -206,13 +284,18 @@ def compile_template(template: str, source: str = "the chat template"):
         return _compiled(template)
     except jinja2.TemplateSyntaxError as exc:
         raise ZayaError(f"{source}: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
+    except RecursionError:
+        raise ZayaError(f"{source}: not a valid Jinja template (nested too deeply)") from None
 
 
 def _probe_render(chat: ChatFormat, messages: list[dict], source: str, add_generation_prompt: bool = False) -> str:
     try:
         return chat.render(messages, add_generation_prompt)
+    except TemplateBudget:
+        raise  # it names the template and what ran out
     except Exception as exc:  # a template that cannot render a plain chat is unusable
-        raise ZayaError(f"{source}: the chat template fails on a plain conversation ({exc})") from None
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ZayaError(f"{source}: the chat template fails on a plain conversation ({first[:200]})") from None
 
 
 def _scaffold_markers(chat: ChatFormat, source: str) -> tuple[str, ...]:

@@ -31,6 +31,8 @@ from zaya.data.dataset_reader import Dataset, open_dataset
 from zaya.data.shards import BUILD_FILE, DEFAULT_SHARD_TOKENS
 from zaya.data.tokenizer import DEFAULT_VOCAB_SIZE, EOS_TOKEN
 from zaya.errors import ZayaError
+from zaya.reading import read_json_object
+from zaya.schema import Fields
 
 
 @click.group()
@@ -163,9 +165,9 @@ def _format(dataset: Dataset) -> str:
                      "loss on the assistant turns only")
     files = _input_files(dataset)
     counted = "" if files is None else f"{files:,} files, "
-    lines.append(f"corpus       {counted}{corpus['text_bytes'] / 1e6:.1f} MB of text, "
-                 f"{corpus['bad_records']} bad records skipped, {corpus['invalid_utf8_documents']} documents "
-                 "with invalid UTF-8")
+    lines.append(f"corpus       {counted}{corpus.get('text_bytes', 0) / 1e6:.1f} MB of text, "
+                 f"{corpus.get('bad_records', 0)} bad records skipped, {corpus.get('invalid_utf8_documents', 0)} "
+                 "documents with invalid UTF-8")
     return "\n".join(lines)
 
 
@@ -174,7 +176,7 @@ def _input_files(dataset: Dataset) -> int | None:
     if "files" in dataset.manifest["corpus"]:
         return dataset.manifest["corpus"]["files"]
     try:
-        files = json.loads((dataset.path / BUILD_FILE).read_text(encoding="utf-8")).get("files")
-    except (OSError, ValueError, AttributeError):
-        return None  # build.json is informative only; a dataset without it is still whole
-    return files if isinstance(files, int) else None
+        info = read_json_object(dataset.path / BUILD_FILE, "document", "a dataset's build.json")
+        return Fields(info, dataset.path / BUILD_FILE).int("files", None, lo=0)
+    except ZayaError:
+        return None  # build.json is informative only (and bounded as it is read): a dataset without it is whole

@@ -1,7 +1,9 @@
 """Compressed inputs (`.gz`, `.zst`, `.zstd`): decompressed as a stream, never whole in memory.
 
 A compressed file cannot be cut by byte range (reading from the middle needs everything before it), so it
-is read as one piece, front to back, a block at a time (each inflating to about 1 MB). gzip files may hold several
+is read as one piece, front to back, inflating at most about 1 MB at a time (16 MiB for a degenerate zstd
+block), and no line or document beyond the bound for one record is held (`records.py`); a file that inflates
+more than `MAX_RATIO` (2,000) times is refused as a decompression bomb. gzip files may hold several
 members and zstd files several frames, as parallel compressors write them. Damage is never silent: a gzip
 member is checked against its CRC, a zstd frame against its checksum when it has one (the `zstd` tool writes
 them), and a file that ends inside a member or frame is truncated. Each of these is a `CorruptInput` naming
@@ -19,18 +21,25 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import BinaryIO
 
-from zaya.data.records import ChatReader, Record, json_record, text_record
+from zaya.data.records import MAX_RECORD_BYTES, ChatReader, Record, json_record, split_records, text_record, too_long
 from zaya.errors import ZayaError
+from zaya.reading import open_regular, os_reason
 
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
-# Compressed bytes are read in blocks sized so that each inflates to about _OUTPUT bytes: text compressed
-# 4:1 is read 256 KB at a time, and a file of repeated lines compressed 1000:1 a kilobyte at a time, so no
-# read ever produces more than a few MB (neither decompressor can cap its output itself).
-_BLOCK = 1 << 14  # the first block
-_MIN_BLOCK = 1 << 10
-_MAX_BLOCK = 1 << 18
+_BLOCK = 1 << 16  # compressed bytes read from the file at a time
+# A gzip member's decompressor stops at _OUTPUT bytes per call and keeps the rest of its input; a zstd one
+# cannot cap its output, so it is given _MAX_BLOCK bytes at a time: a zstd block of 3 bytes of header and 1 of
+# content may stand for 128 KiB, so 512 bytes inflate to at most 16 MiB (real data to 2-20 KB).
 _OUTPUT = 1 << 20
+_MAX_BLOCK = 1 << 9
 _GZIP_WINDOW = 16 + zlib.MAX_WBITS  # a gzip header and trailer around a deflate stream
+# A file that inflates more than MAX_RATIO times (once past _RATIO_AFTER bytes) is refused: text compresses
+# 3-10 times, and the most repetitive corpora a few hundred (the memory test's zstd shards: 655), while a zstd
+# "bomb" of one repeated byte inflates 30,000 times, and reading it would cost minutes of work for no document.
+# gzip cannot go beyond 1,032, so this bounds zstd files; what any file may hold in memory is bounded anyway,
+# by the bound for one record (`records.py`).
+MAX_RATIO = 2000
+_RATIO_AFTER = 64 << 20
 
 
 class CorruptInput(ZayaError):
@@ -59,23 +68,21 @@ def zstandard_module(path: Path):
 
 def open_decompressed(path: Path, compression: str) -> BinaryIO:
     """A buffered binary stream of the file's decompressed bytes (close it when done)."""
-    try:
-        handle = open(path, "rb")  # noqa: SIM115 - the returned stream owns it
-    except OSError as exc:
-        raise ZayaError(f"{path}: cannot read ({exc.strerror})") from None
+    handle = open_regular(path, "an input")  # the returned stream owns it
     return io.BufferedReader(_Decompressor(handle, path, compression), buffer_size=1 << 20)
 
 
 class _Decompressor(io.RawIOBase):
-    """The decompressed bytes of a gzip or zstd file, one compressed block at a time."""
+    """The decompressed bytes of a gzip or zstd file, at most about `_OUTPUT` bytes at a time."""
 
     def __init__(self, handle: BinaryIO, path: Path, compression: str) -> None:
         self._handle, self._path, self._compression = handle, path, compression
         self._zstd = zstandard_module(path).ZstdDecompressor() if compression == "zstd" else None
         self._unit = None  # the decompressor of the current gzip member or zstd frame
+        self._input = memoryview(b"")  # compressed bytes read but not yet decompressed
         self._pending = memoryview(b"")  # decompressed bytes not yet handed out
-        self._position = 0  # compressed bytes consumed
-        self._block = _BLOCK
+        self._position = 0  # compressed bytes read
+        self._produced = 0  # decompressed bytes made
 
     def readable(self) -> bool:
         return True
@@ -94,33 +101,64 @@ class _Decompressor(io.RawIOBase):
         super().close()
 
     def _decompress_more(self) -> bool:
-        """Decompress the next block into `_pending`; False at the clean end of the file."""
-        try:
-            block = self._handle.read(self._block)
-        except OSError as exc:
-            raise ZayaError(f"{self._path}: cannot read ({exc.strerror})") from None
-        if not block:
-            if self._unit is not None:
-                unit = "member" if self._compression == "gzip" else "frame"
-                raise self._corrupt(f"the file ends inside a {unit}")
-            return False
-        self._position += len(block)
-        parts = []
-        while block:
+        """Decompress some more into `_pending`; False at the clean end of the file."""
+        while True:
+            if not self._input:
+                try:
+                    block = self._handle.read(_BLOCK)
+                except OSError as exc:
+                    raise ZayaError(f"{self._path}: cannot read ({os_reason(exc)})") from None
+                if not block:
+                    return self._drain()
+                self._position += len(block)
+                self._input = memoryview(block)
             if self._unit is None:
                 self._unit = self._new_unit()
+            given = self._input
             try:
-                parts.append(self._unit.decompress(block))
+                if self._zstd is not None:
+                    fed = len(given[:_MAX_BLOCK])
+                    out = self._unit.decompress(given[:fed])
+                    left = len(self._unit.unused_data) if self._unit.eof else 0  # the next frame's start
+                    self._input = given[fed - left:]
+                else:
+                    out = self._unit.decompress(given, _OUTPUT)
+                    left = self._unit.unused_data if self._unit.eof else self._unit.unconsumed_tail
+                    self._input = given[len(given) - len(left):]  # what is left is the input's tail: no copy
             except Exception as exc:  # zlib.error, zstandard.ZstdError: damaged data
                 raise self._corrupt(str(exc)) from None
-            if not self._unit.eof:
-                break
-            block = self._unit.unused_data  # the next member or frame starts in this block
-            self._unit = None
-        self._pending = memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
-        produced = max(1, len(self._pending))
-        self._block = min(_MAX_BLOCK, max(_MIN_BLOCK, self._block * _OUTPUT // produced))
-        return True
+            if self._unit.eof:
+                self._unit = None
+            if out:
+                self._handed(out)
+                return True
+
+    def _drain(self) -> bool:
+        """At the end of the file: what a gzip member still holds back, or the end (truncated inside a unit)."""
+        if self._unit is None:
+            return False
+        if self._zstd is None:
+            try:
+                out = self._unit.decompress(b"", _OUTPUT)
+            except Exception as exc:
+                raise self._corrupt(str(exc)) from None
+            if self._unit.eof:
+                self._unit = None
+            if out:
+                self._handed(out)
+                return True
+            if self._unit is None:
+                return False
+        unit = "member" if self._compression == "gzip" else "frame"
+        raise self._corrupt(f"the file ends inside a {unit}")
+
+    def _handed(self, out: bytes) -> None:
+        self._produced += len(out)
+        consumed = self._position - len(self._input)
+        if self._produced > _RATIO_AFTER and self._produced > MAX_RATIO * consumed:
+            raise ZayaError(f"{self._path}: inflates more than {MAX_RATIO} times ({self._produced:,} bytes from "
+                            f"{consumed:,}), the limit for a compressed input; refusing it as a decompression bomb")
+        self._pending = memoryview(out)
 
     def _new_unit(self):
         if self._zstd is not None:
@@ -134,15 +172,18 @@ class _Decompressor(io.RawIOBase):
 # ---- reading decompressed records -----------------------------------------------------------------------
 
 
-def jsonl_stream(path: Path, compression: str, text_field: str,
-                 chat: ChatReader | None = None) -> Generator[Record, None, int]:
-    """The records of a compressed JSON-lines file, line by line (chats with a `chat` format); returns the
-    number of lines."""
+def jsonl_stream(path: Path, compression: str, text_field: str, chat: ChatReader | None = None,
+                 limit: int = MAX_RECORD_BYTES) -> Generator[Record, None, int]:
+    """The records of a compressed JSON-lines file, line by line (chats with a `chat` format); a line over
+    `limit` bytes is a bad record, skipped unread. Returns the number of lines."""
     index = 0
     with open_decompressed(path, compression) as stream:
         try:
-            for line in stream:
-                record = json_record(index, line, text_field, chat)
+            for line in split_records(stream.read, b"\n", limit):
+                if line is None:
+                    record = too_long(index, "a chat" if chat is not None else "a line", limit)
+                else:
+                    record = json_record(index, line, text_field, chat)
                 if record is not None:
                     yield record
                 index += 1
@@ -151,35 +192,25 @@ def jsonl_stream(path: Path, compression: str, text_field: str,
     return index
 
 
-def text_stream(path: Path, compression: str, separator: bytes | None) -> Generator[Record, None, int]:
+def text_stream(path: Path, compression: str, separator: bytes | None,
+                limit: int = MAX_RECORD_BYTES) -> Generator[Record, None, int]:
     """The documents of a compressed text file: the whole file, or each piece between separators (read a
-    block at a time, holding one document at most); returns the number of documents."""
+    block at a time, holding one document at most); a document over `limit` bytes is a bad record, skipped
+    unread. Returns the number of documents."""
     index = 0
     with open_decompressed(path, compression) as stream:
         try:
             if separator is None:
-                record = text_record(0, stream.read())
+                raw = stream.read(limit + 1)
+                record = too_long(0, "a document", limit) if len(raw) > limit else text_record(0, raw)
                 if record is not None:
                     yield record
                 return 1
-            buffer = bytearray()
-            while block := stream.read(1 << 20):
-                # a separator may straddle two blocks: search again from just before the new one
-                search = max(0, len(buffer) - len(separator) + 1)
-                buffer += block
-                cut = 0
-                while (found := buffer.find(separator, max(search, cut))) >= 0:
-                    record = text_record(index, bytes(buffer[cut:found]))
-                    if record is not None:
-                        yield record
-                    index += 1
-                    cut = found + len(separator)
-                del buffer[:cut]
+            for raw in split_records(stream.read, separator, limit, keep_lone_empty=True):
+                record = too_long(index, "a document", limit) if raw is None else text_record(index, raw)
+                if record is not None:
+                    yield record
+                index += 1
         except CorruptInput as exc:
             raise exc.after("document", index) from None
-    if buffer or index == 0:  # as in a plain file, a final separator does not start an empty document
-        record = text_record(index, bytes(buffer))
-        if record is not None:
-            yield record
-        index += 1
     return index

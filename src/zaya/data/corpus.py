@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import sysconfig
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing
@@ -53,9 +54,12 @@ from zaya.data.records import (
     Record,
     RecordStream,
     json_record,
+    split_records,
     text_record,
+    too_long,
 )
 from zaya.errors import ZayaError
+from zaya.reading import open_regular, os_reason
 
 __all__ = [
     "KINDS",
@@ -96,18 +100,23 @@ def discover(inputs: Sequence[str | Path], selection: Selection | None = None,
     `train` by default), duplicates dropped.
 
     Raises a `ZayaError` for a missing path, an explicitly named file of an unsupported type, a directory
-    without readable files, or an input whose optional dependency is not installed."""
+    without readable files, an input whose optional dependency is not installed, or a `split` with no
+    DatasetDict among the inputs to take it from."""
     if not inputs:
         raise ZayaError("no inputs given: name files, directories or 'stdlib'")
     selection = selection or Selection()
-    seen: set[Path] = set()
+    seen: set[str] = set()
     files: list[InputFile] = []
+    dicts: list[Path] = []  # the saved DatasetDicts met, which `split` chooses from
     for item in inputs:
-        for path, kind, compression in _expand(item, selection, split):
-            key = path.resolve()
+        for path, kind, compression in _expand(item, selection, split, dicts):
+            key = os.path.realpath(path)  # never raises: a link loop is refused when the file is opened
             if key not in seen:
                 seen.add(key)
                 files.append(_input_file(path, kind, compression))
+    if split is not None and not dicts:
+        raise ZayaError(f"--split {split}: none of the inputs is a saved DatasetDict (a directory with "
+                        f"{tables.DATASET_DICT}); --split chooses one of its splits")
     return files
 
 
@@ -136,14 +145,15 @@ def _as_text(name: str) -> tuple[str, str | None]:
 Found = tuple[Path, str, str | None]
 
 
-def _expand(item: str | Path, selection: Selection, split: str | None) -> list[Found]:
+def _expand(item: str | Path, selection: Selection, split: str | None, dicts: list[Path]) -> list[Found]:
     if str(item) == STDLIB:
         return [(path, "text", None) for path in stdlib_files()]
     path = Path(item)
-    if path.is_dir():
+    info = _stat(path)
+    if stat.S_ISDIR(info.st_mode):
         if tables.is_dataset_directory(path):
-            return [(p, "arrow", None) for p in tables.dataset_files(path, split)]
-        found = list(_scan(path, selection, split))
+            return [(p, "arrow", None) for p in _dataset_files(path, split, dicts)]
+        found = list(_scan(path, selection, split, dicts))
         if not found:
             if selection.include:
                 excluded = " and --exclude" if selection.exclude else ""
@@ -152,9 +162,7 @@ def _expand(item: str | Path, selection: Selection, split: str | None) -> list[F
             raise ZayaError(f"{path}: no .txt, .jsonl or .parquet files in this directory (nor .json, .csv, .tsv, "
                             ".arrow, compressed files or saved datasets); --include PATTERN reads any file as text")
         return found
-    if not path.exists():
-        raise ZayaError(f"{path}: no such file or directory")
-    if not path.is_file():  # a FIFO, a socket, a device: reading one could wait forever
+    if not stat.S_ISREG(info.st_mode):  # a FIFO, a socket, a device: reading one could wait forever
         raise ZayaError(f"{path}: not a regular file (only files and directories are read)")
     known = kind_of(path.name)
     if known is None:
@@ -166,7 +174,27 @@ def _expand(item: str | Path, selection: Selection, split: str | None) -> list[F
     return [(path, *known)]
 
 
-def _scan(root: Path, selection: Selection, split: str | None) -> Iterator[Found]:
+def _stat(path: Path, listed: bool = False) -> os.stat_result:
+    """What `path` is (links followed); a missing path, a loop of links or a name too long is one line.
+    `listed`: the path was found in a directory (missing, it is a link to nothing)."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        if listed:
+            raise ZayaError(f"{path}: cannot read (no such file or directory)") from None
+        raise ZayaError(f"{path}: no such file or directory") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the name
+        reason = os_reason(exc) if isinstance(exc, OSError) else "not a valid file name"
+        raise ZayaError(f"{path}: cannot read ({reason})") from None
+
+
+def _dataset_files(path: Path, split: str | None, dicts: list[Path]) -> list[Path]:
+    if tables.is_dataset_dict(path):
+        dicts.append(path)
+    return tables.dataset_files(path, split)
+
+
+def _scan(root: Path, selection: Selection, split: str | None, dicts: list[Path]) -> Iterator[Found]:
     """The selected files under `root`, sorted directory by directory; a saved dataset inside is one entry
     for the patterns, read as its arrow files."""
     for directory, dirnames, filenames in os.walk(root):
@@ -175,7 +203,7 @@ def _scan(root: Path, selection: Selection, split: str | None) -> Iterator[Found
         if here != root and tables.is_dataset_directory(here):
             dirnames[:] = []
             if not selection.include or selection.included(relative):
-                yield from ((p, "arrow", None) for p in tables.dataset_files(here, split))
+                yield from ((p, "arrow", None) for p in _dataset_files(here, split, dicts))
             continue
         prefix = "" if relative == "." else f"{relative}/"
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not selection.excluded(prefix + d))
@@ -202,10 +230,10 @@ def _walk(root: Path, skipped_dirs: frozenset[str]) -> Iterator[Path]:
 
 
 def _input_file(path: Path, kind: str, compression: str | None) -> InputFile:
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise ZayaError(f"{path}: cannot read ({exc.strerror})") from None
+    info = _stat(path, listed=True)
+    if not stat.S_ISREG(info.st_mode):
+        raise ZayaError(f"{path}: not a regular file (only files and directories are read)")
+    size = info.st_size
     if kind == "parquet":
         tables.parquet_module(path)
     elif kind == "arrow":
@@ -268,7 +296,7 @@ def _next_boundary(handle, position: int, separator: bytes, path: Path) -> int |
             position += len(chunk) - overlap
             handle.seek(position)
     except OSError as exc:
-        raise ZayaError(f"{path}: cannot read ({exc.strerror})") from None
+        raise ZayaError(f"{path}: cannot read ({os_reason(exc)})") from None
     return None
 
 
@@ -286,15 +314,17 @@ def stream_piece(file: InputFile, piece: Piece, options: ReadOptions) -> RecordS
         return RecordStream(tables.parquet_stream(file, piece, options))
     if file.kind == "arrow":
         return RecordStream(tables.arrow_stream(file, piece, options))
+    limit = options.record_limit
     if file.compression is not None and file.kind == "jsonl":
-        return RecordStream(jsonl_stream(file.path, file.compression, options.text_field, options.chat))
+        return RecordStream(jsonl_stream(file.path, file.compression, options.text_field, options.chat, limit))
     if file.compression is not None and file.kind == "text":
-        return RecordStream(text_stream(file.path, file.compression, _separator_bytes(options)))
+        return RecordStream(text_stream(file.path, file.compression, _separator_bytes(options), limit))
     if file.kind == "json":
-        return RecordStream(_over_stream(file, lambda s: array_stream(s, file.path, options.text_field, options.chat)))
+        return RecordStream(_over_stream(
+            file, lambda s: array_stream(s, file.path, options.text_field, options.chat, limit)))
     if file.kind in ("csv", "tsv"):
         return RecordStream(_over_stream(
-            file, lambda s: delimited_stream(s, file.path, file.kind, options.text_field)))
+            file, lambda s: delimited_stream(s, file.path, file.kind, options.text_field, limit)))
     return RecordStream(_byte_range(file, piece, options))
 
 
@@ -318,11 +348,15 @@ def location(file: InputFile, record: int, options: ReadOptions) -> str:
     return str(file.path)
 
 
-def _open(path: Path):
-    try:
-        return open(path, "rb")
-    except OSError as exc:
-        raise ZayaError(f"{path}: cannot read ({exc.strerror})") from None
+def _unit(kind: str, options: ReadOptions) -> str:
+    """What one record of a kind of file is, for messages."""
+    if options.chat is not None:
+        return "a chat"
+    return {"jsonl": "a line", "json": "an element", "csv": "a row", "tsv": "a row"}.get(kind, "a document")
+
+
+def _open(path: Path) -> BinaryIO:
+    return open_regular(path, "an input")
 
 
 def _byte_stream(path: Path, compression: str | None) -> BinaryIO:
@@ -335,26 +369,40 @@ def _over_stream(file: InputFile, reader) -> Generator[Record, None, int]:
 
 
 def _byte_range(file: InputFile, piece: Piece, options: ReadOptions) -> Generator[Record, None, int]:
-    """A plain text or jsonl piece: its bytes are read at once (a piece is a few MB, or one document)."""
+    """A plain text or jsonl piece, read a block at a time and cut into records; a record over the bound is a
+    bad record whose bytes are skipped, not held."""
+    limit = options.record_limit
     with _open(file.path) as handle:
+        remaining = piece.stop - piece.start
+
+        def read(size: int) -> bytes:
+            nonlocal remaining
+            try:
+                data = handle.read(min(size, remaining))
+            except OSError as exc:
+                raise ZayaError(f"{file.path}: cannot read ({os_reason(exc)})") from None
+            remaining -= len(data)
+            return data
+
         try:
             handle.seek(piece.start)
-            raw = handle.read(piece.stop - piece.start)
         except OSError as exc:
-            raise ZayaError(f"{file.path}: cannot read ({exc.strerror})") from None
-    if file.kind == "jsonl":
-        parts = raw.split(b"\n")
-        if parts and not parts[-1]:
-            parts.pop()  # the piece ends with a newline
-        maker = lambda i, part: json_record(i, part, options.text_field, options.chat)  # noqa: E731
-    else:
-        separator = _separator_bytes(options)
-        parts = [raw] if separator is None else raw.split(separator)
-        if len(parts) > 1 and not parts[-1]:
-            parts.pop()  # the piece ends with a separator
-        maker = text_record
-    for index, part in enumerate(parts):
-        record = maker(index, part)
-        if record is not None:
-            yield record
-    return len(parts)
+            raise ZayaError(f"{file.path}: cannot read ({os_reason(exc)})") from None
+        separator = b"\n" if file.kind == "jsonl" else _separator_bytes(options)
+        if separator is None:  # the whole file is one document: not read at all if it is too long
+            record = too_long(0, "a document", limit) if remaining > limit else text_record(0, read(limit))
+            if record is not None:
+                yield record
+            return 1
+        count = 0
+        for raw in split_records(read, separator, limit, keep_lone_empty=file.kind != "jsonl"):
+            if raw is None:
+                record = too_long(count, _unit(file.kind, options), limit)
+            elif file.kind == "jsonl":
+                record = json_record(count, raw, options.text_field, options.chat)
+            else:
+                record = text_record(count, raw)
+            if record is not None:
+                yield record
+            count += 1
+    return count

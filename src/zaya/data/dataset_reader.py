@@ -1,12 +1,14 @@
-"""Opening a dataset: its manifest checked field by field and every file's size against it; checksums on
-request. A chat dataset's loss masks and chat template are files of the manifest like the others."""
+"""Opening a dataset: its manifest read within a cap (64 MiB) and checked field by field (`zaya.schema`), and
+every file it lists checked to be a regular file of the size it says; checksums on request. A chat dataset's
+loss masks and chat template are files of the manifest like the others."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
@@ -19,10 +21,13 @@ from zaya.data.shards import (
     FileEntry,
     SplitEntry,
     fingerprint_of,
+    plain_name,
     sha256_file,
 )
 from zaya.data.split_tokens import SplitTokens
 from zaya.errors import ZayaError
+from zaya.reading import check_depth, os_reason, read_bytes
+from zaya.schema import Fields, shown
 
 
 class Dataset:
@@ -135,116 +140,132 @@ def open_dataset(path: str | Path) -> Dataset:
 
     Checksums are not recomputed here (that reads everything); `Dataset.verify` does it."""
     path = Path(path)
-    manifest_path = path / MANIFEST_FILE
-    if not path.is_dir():
-        raise ZayaError(f"{path}: no such dataset directory")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ZayaError(f"{manifest_path}: file not found; is '{path}' a dataset built by 'zaya data build'?") from None
-    except (OSError, ValueError) as exc:
-        raise ZayaError(f"{manifest_path}: not a readable manifest ({exc})") from None
-    except RecursionError:
-        raise ZayaError(f"{manifest_path}: not a readable manifest (nested too deeply)") from None
-    fields = _Fields(manifest_path)
-    if fields.get(manifest, "format", str) != FORMAT:
-        raise ZayaError(f"{manifest_path}: field 'format' is {manifest['format']!r}, expected {FORMAT!r}")
-    if fields.get(manifest, "version", int) != VERSION:
-        raise ZayaError(f"{manifest_path}: field 'version' is {manifest['version']}, this zaya reads {VERSION}")
-    if fields.get(manifest, "dtype", str) not in DTYPES:
-        raise ZayaError(f"{manifest_path}: field 'dtype' is {manifest['dtype']!r}, expected uint16 or uint32")
-    fields.get(manifest, "corpus", dict)
-    tokenizer = fields.get(manifest, "tokenizer", dict)
-    _file_entry(fields, tokenizer, "tokenizer.")
-    for key, kind in (("vocab_size", int), ("eos_id", int), ("special_ids", dict)):
-        fields.get(tokenizer, key, kind, "tokenizer.")
-    if "chat_template" in tokenizer:
-        chat = fields.get(tokenizer, "chat_template", dict, "tokenizer.")
-        _file_entry(fields, chat, "tokenizer.chat_template.")
-        fields.get(chat, "end_of_turn", str, "tokenizer.chat_template.")
-    masked = fields.get(manifest, "loss_mask", bool) if "loss_mask" in manifest else False
-    itemsize = DTYPES[manifest["dtype"]].itemsize
-    splits_field = fields.get(manifest, "splits", dict)
-    splits = {name: _split_entry(fields, splits_field, name, itemsize, masked) for name in SPLITS}
+    manifest, splits = read_manifest(path)
     dataset = Dataset(path, manifest, splits)
     for entry in dataset.files():
         _check_size(path / entry.file, entry.bytes)
     return dataset
 
 
-class _Fields:
-    """Typed access to manifest fields, with errors that name the file and the field."""
+def read_manifest(path: Path) -> tuple[dict, dict[str, SplitEntry]]:
+    """The manifest of the dataset directory `path`, read within the cap for a manifest (64 MiB) and checked
+    field by field (types, ranges, plain file names, sizes that agree with the counts); its files are not
+    looked at. Any fault is one `ZayaError` naming the manifest and the field."""
+    path = Path(path)
+    manifest_path = path / MANIFEST_FILE
+    if not path.is_dir():
+        raise ZayaError(f"{path}: no such dataset directory")
+    if not os.path.lexists(manifest_path):
+        raise ZayaError(f"{manifest_path}: file not found; is '{path}' a dataset built by 'zaya data build'?")
+    data = read_bytes(manifest_path, "manifest", "a dataset manifest")
+    try:
+        manifest = json.loads(data)
+    except RecursionError:
+        raise ZayaError(f"{manifest_path}: not a readable manifest (nested too deeply)") from None
+    except ValueError as exc:  # not JSON, not UTF-8, an integer of too many digits
+        raise ZayaError(f"{manifest_path}: not a readable manifest ({str(exc)[:200]})") from None
+    try:
+        check_depth(manifest, manifest_path)
+    except ZayaError:
+        raise ZayaError(f"{manifest_path}: not a readable manifest (nested too deeply)") from None
+    doc = Fields(manifest, manifest_path)
+    if doc.str("format", max_len=100) != FORMAT:
+        raise ZayaError(f"{manifest_path}: field 'format' is {shown(manifest['format'])}, expected {FORMAT!r}")
+    if doc.int("version") != VERSION:
+        raise ZayaError(f"{manifest_path}: field 'version' is {manifest['version']}, this zaya reads {VERSION}")
+    dtype = doc.str("dtype", choices=tuple(DTYPES))
+    corpus = doc.obj("corpus")
+    for key in ("text_bytes", "documents", "bad_records", "invalid_utf8_documents", "files"):  # facts, if there
+        corpus.int(key, None, lo=0)  # (older manifests also counted the input files)
+    tokenizer = doc.obj("tokenizer")
+    _file_entry(tokenizer)
+    vocab_size = tokenizer.int("vocab_size", lo=1, hi=_MAX_VOCAB)
+    tokenizer.int("eos_id", lo=0, hi=vocab_size - 1)
+    tokenizer.dict("special_ids", of=int)
+    for name, value in tokenizer.data["special_ids"].items():
+        if not 0 <= value < vocab_size:
+            raise ZayaError(f"{manifest_path}: field 'tokenizer.special_ids.{shown(name)}' must be an id in "
+                            f"0..{vocab_size - 1}, got {value}")
+    chat = tokenizer.obj("chat_template", None)
+    if chat is not None:
+        _file_entry(chat)
+        chat.str("end_of_turn", max_len=1000)
+    masked = doc.bool("loss_mask", False)
+    itemsize = DTYPES[dtype].itemsize
+    splits_field = doc.obj("splits")
+    splits = {name: _split_entry(splits_field.obj(name), name, itemsize, masked) for name in SPLITS}
+    return manifest, splits
 
-    def __init__(self, source: Path) -> None:
-        self.source = source
 
-    def get(self, obj: dict, key: str, kind: type, prefix: str = "") -> Any:
-        if key not in obj:
-            raise ZayaError(f"{self.source}: missing field '{prefix}{key}'")
-        value = obj[key]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ZayaError(f"{self.source}: field '{prefix}{key}' must be {kind.__name__}, got {value!r}")
-        if kind is int and value < 0:
-            raise ZayaError(f"{self.source}: field '{prefix}{key}' must not be negative, got {value}")
-        return value
+_MAX_VOCAB = 1 << 32
+_MAX_SHARDS = 1 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def _split_entry(fields: _Fields, splits: dict, name: str, itemsize: int, masked: bool) -> SplitEntry:
-    prefix = f"splits.{name}."
-    split = fields.get(splits, name, dict, "splits.")
+def _split_entry(split: Fields, name: str, itemsize: int, masked: bool) -> SplitEntry:
+    source = split.source
     shards, counts, masks = [], [], []
-    for i, shard in enumerate(fields.get(split, "shards", list, prefix)):
-        where = f"{prefix}shards[{i}]."
-        if not isinstance(shard, dict):
-            raise ZayaError(f"{fields.source}: field '{where[:-1]}' must be an object")
-        entry = _file_entry(fields, shard, where)
-        count = fields.get(shard, "num_tokens", int, where)
+    for i, item in enumerate(split.list("shards", of=dict, max_len=_MAX_SHARDS)):
+        shard = Fields(item, source, split.key(f"shards[{i}]"))
+        entry = _file_entry(shard)
+        count = shard.int("num_tokens", lo=0)
         if count * itemsize != entry.bytes:
-            raise ZayaError(f"{fields.source}: field '{where}bytes' is {entry.bytes}, but {count} tokens take "
+            raise ZayaError(f"{source}: field '{shard.key('bytes')}' is {entry.bytes}, but {count} tokens take "
                             f"{count * itemsize}")
         if masked:
-            mask = _file_entry(fields, fields.get(shard, "mask", dict, where), f"{where}mask.")
+            mask = _file_entry(shard.obj("mask"))
             if mask.bytes != count:
-                raise ZayaError(f"{fields.source}: field '{where}mask.bytes' is {mask.bytes}, but the shard has "
+                raise ZayaError(f"{source}: field '{shard.key('mask.bytes')}' is {mask.bytes}, but the shard has "
                                 f"{count} tokens (one mask byte each)")
             masks.append(mask)
         elif "mask" in shard:
-            raise ZayaError(f"{fields.source}: field '{where}mask' in a dataset without 'loss_mask': true")
+            raise ZayaError(f"{source}: field '{shard.key('mask')}' in a dataset without 'loss_mask': true")
         shards.append(entry)
         counts.append(count)
-    num_tokens = fields.get(split, "num_tokens", int, prefix)
+    num_tokens = split.int("num_tokens", lo=0)
     if sum(counts) != num_tokens:
-        raise ZayaError(f"{fields.source}: field '{prefix}num_tokens' is {num_tokens}, but the shards hold "
+        raise ZayaError(f"{source}: field '{split.key('num_tokens')}' is {num_tokens}, but the shards hold "
                         f"{sum(counts)}")
-    max_token_id = split.get("max_token_id")
-    if max_token_id is not None and (not isinstance(max_token_id, int) or isinstance(max_token_id, bool)):
-        raise ZayaError(f"{fields.source}: field '{prefix}max_token_id' must be int or null, got {max_token_id!r}")
+    num_documents = split.int("num_documents", lo=0)
+    documents = _file_entry(split.obj("documents"))
+    if documents.bytes != 8 * num_documents:
+        raise ZayaError(f"{source}: field '{split.key('documents.bytes')}' is {documents.bytes}, but "
+                        f"{num_documents} documents take {8 * num_documents}")
+    max_token_id = split.data.get("max_token_id")
+    if max_token_id is not None:
+        max_token_id = split.int("max_token_id", lo=0)
     return SplitEntry(
         name=name,
         num_tokens=num_tokens,
-        num_documents=fields.get(split, "num_documents", int, prefix),
+        num_documents=num_documents,
         max_token_id=max_token_id,
         shards=tuple(shards),
         shard_tokens=tuple(counts),
-        documents=_file_entry(fields, fields.get(split, "documents", dict, prefix), f"{prefix}documents."),
+        documents=documents,
         masks=tuple(masks) if masked else None,
-        loss_tokens=fields.get(split, "loss_tokens", int, prefix) if masked else None,
+        loss_tokens=split.int("loss_tokens", lo=0) if masked else None,
     )
 
 
-def _file_entry(fields: _Fields, obj: dict, prefix: str) -> FileEntry:
-    name = fields.get(obj, "file", str, prefix)
-    if os.path.basename(name) != name or name in ("", ".", ".."):
-        raise ZayaError(f"{fields.source}: field '{prefix}file' must be a plain file name, got {name!r}")
-    return FileEntry(name, fields.get(obj, "bytes", int, prefix), fields.get(obj, "sha256", str, prefix))
+def _file_entry(entry: Fields) -> FileEntry:
+    name = entry.str("file", max_len=255)
+    if not plain_name(name):
+        raise ZayaError(f"{entry.source}: field '{entry.key('file')}' must be a plain file name, got {shown(name)}")
+    digest = entry.str("sha256", max_len=64)
+    if not _SHA256.fullmatch(digest):
+        raise ZayaError(f"{entry.source}: field '{entry.key('sha256')}' must be a SHA-256 (64 hex digits), got "
+                        f"{shown(digest)}")
+    return FileEntry(name, entry.int("bytes", lo=0), digest)
 
 
 def _check_size(path: Path, expected: int) -> None:
     try:
-        actual = path.stat().st_size
+        info = os.stat(path)
     except FileNotFoundError:
         raise ZayaError(f"{path}: file not found (listed in the manifest)") from None
     except OSError as exc:
-        raise ZayaError(f"{path}: cannot read ({exc.strerror})") from None
-    if actual != expected:
-        raise ZayaError(f"{path}: {actual} bytes, but the manifest says {expected} (truncated or replaced?)")
+        raise ZayaError(f"{path}: cannot read ({os_reason(exc)})") from None
+    if not stat.S_ISREG(info.st_mode):  # a FIFO would block the reader, a device never end
+        raise ZayaError(f"{path}: not a regular file (listed in the manifest)")
+    if info.st_size != expected:
+        raise ZayaError(f"{path}: {info.st_size} bytes, but the manifest says {expected} (truncated or replaced?)")

@@ -1,7 +1,10 @@
 """Writing a dataset (the format is in `shards.py`).
 
-A dataset is written into a staging directory that is renamed into place only when complete, and the
-manifest is its last file: an interrupted build leaves nothing that opens as a dataset.
+A dataset is written into a staging directory of this process's (`zaya.owned.Staging`: a name with its pid and
+a random token, and a marker file) that is renamed into place only when complete, and the manifest is its last
+file: an interrupted build leaves nothing that opens as a dataset, and a killed one leaves a staging directory
+that the next build into the same place removes by its marker. zaya replaces an existing output only with
+--overwrite and only if it can prove the output is a dataset it wrote (`check_replaceable`).
 """
 
 from __future__ import annotations
@@ -9,56 +12,141 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import secrets
-import shutil
-import tempfile
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from zaya.data.shards import DEFAULT_SHARD_TOKENS, DTYPES, FORMAT, MANIFEST_FILE, SPLITS, VERSION
+from zaya.data.dataset_reader import Dataset, read_manifest
+from zaya.data.shards import BUILD_FILE, DEFAULT_SHARD_TOKENS, DTYPES, FORMAT, MANIFEST_FILE, SPLITS, VERSION
 from zaya.data.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 from zaya.errors import ZayaError
 from zaya.locking import DirectoryLock
+from zaya.owned import Staging, remove_stale_staging
+from zaya.reading import os_reason
+from zaya.schema import shown
 
 
 @contextlib.contextmanager
 def staged_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
-    """A fresh directory beside `out` that becomes `out` when the block finishes, and vanishes if it fails.
+    """A fresh directory in which a dataset is written, renamed to `out` when the block finishes; if the block
+    fails (or is interrupted: Ctrl-C, SIGTERM) it is removed, and nothing else is.
 
-    An existing `out` is replaced only with `overwrite`, and only if it is a dataset or empty, so a mistyped
-    path cannot delete unrelated files. One build writes `out` at a time (`zaya.locking`); holding the lock, the
-    build removes what killed builds into the same place left beside it."""
+    The build holds `out`'s lock throughout (`zaya.locking`): one build writes `out` at a time, and, holding
+    it, the build removes the staging directories that killed builds into `out` left beside it, those whose
+    marker says zaya made them for `out` (`zaya.owned`), whatever else is there. An existing `out` is replaced
+    only with `overwrite`, and only if it is empty or provably a dataset (`check_replaceable`)."""
     out = Path(out)
+    check_out_name(out)
     with DirectoryLock(out, "zaya data build"):
-        if out.exists():
-            if not overwrite:
-                raise ZayaError(f"{out}: already exists; pass --overwrite to replace it")
-            if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_FILE).is_file()):
-                raise ZayaError(f"{out}: exists and is not a dataset; refusing to replace it")
-        for stale in (*out.parent.glob(f".{out.name}.partial-*"), *out.parent.glob(f".{out.name}.old-*")):
-            shutil.rmtree(stale, ignore_errors=True)
+        replace = check_replaceable(out, overwrite)
+        remove_stale_staging(out, locked=True)
+        with Staging(out, "zaya data build") as staging:
+            try:
+                staging.path.mkdir()
+            except OSError as exc:
+                raise ZayaError(f"{out}: cannot create ({os_reason(exc)})") from None
+            yield staging.path
+            if replace:
+                check_replaceable(out, overwrite)  # again, just before it goes: it may have changed meanwhile
+            staging.commit(replace=replace)
+
+
+def check_replaceable(out: Path, overwrite: bool) -> bool:
+    """Whether `out` exists and may be replaced; a `ZayaError` if it exists and may not: without `overwrite`,
+    or when it is anything but an empty directory or a dataset. A dataset is a directory whose manifest reads
+    under its schema (format, version, every field of its type, checksummed files) and holds the files the
+    manifest lists and nothing but those, the manifest and build.json: a directory that merely holds a file
+    called manifest.json is not one, and neither is a dataset beside which someone keeps other files."""
+    try:
+        info = os.lstat(out)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise ZayaError(f"{out}: cannot use as the output ({os_reason(exc)})") from None
+    if not overwrite:
+        raise ZayaError(f"{out}: already exists; pass --overwrite to replace it")
+    if stat.S_ISLNK(info.st_mode):
+        raise ZayaError(f"{out}: exists and is a symbolic link; refusing to replace it")
+    if not stat.S_ISDIR(info.st_mode):
+        raise ZayaError(f"{out}: exists and is not a dataset; refusing to replace it (not a directory)")
+    try:
+        entries = set(os.listdir(out))
+    except OSError as exc:
+        raise ZayaError(f"{out}: cannot read ({os_reason(exc)})") from None
+    if not entries:
+        return True
+    if MANIFEST_FILE not in entries:
+        raise ZayaError(f"{out}: exists and is not a dataset; refusing to replace it (no {MANIFEST_FILE})")
+    try:
+        manifest, splits = read_manifest(out)
+    except ZayaError as exc:
+        reason = str(exc).removeprefix(f"{out / MANIFEST_FILE}: ")[:200]
+        raise ZayaError(f"{out}: exists and is not a dataset; refusing to replace it ({MANIFEST_FILE}: {reason})"
+                        ) from None
+    listed = {entry.file for entry in Dataset(out, manifest, splits).files()}
+    for name in sorted(listed):
+        if not stat.S_ISREG(_lstat_mode(out / name)):
+            raise ZayaError(f"{out}: exists and is not a dataset; refusing to replace it ({name}, which its "
+                            "manifest lists, is not there as a file)")
+    extra = sorted(entries - listed - {MANIFEST_FILE, BUILD_FILE})
+    if extra:
+        raise ZayaError(f"{out}: holds {shown(extra[0])}, which is not part of its dataset; refusing to replace it "
+                        "(move it away first)")
+    return True
+
+
+def _lstat_mode(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return 0
+
+
+_NAME_MAX = 255  # bytes in one name, where the file system does not say
+_PATH_MAX = 4096
+# the longest names a build makes: in the output (a shard's mask file), and beside it (the lock, a staging
+# directory: `owned.Staging` keeps 96 characters of the name and adds ".zaya-PID-TOKEN/new")
+_LONGEST_FILE = len("train.00000000.mask.bin")
+_LOCK_SUFFIX = len("..lock")
+_STAGING = 1 + 96 + len(".zaya-4194304-0123456789ab/new/")
+
+
+def check_out_name(out: Path) -> None:
+    """Refuse, before anything is made, an output whose name or path the file system cannot hold (with the lock
+    file `.NAME.lock` beside it and the files inside it): one line naming `--out`."""
+    if out.name in ("", ".", ".."):
+        raise ZayaError(f"--out {shown(str(out))}: must name the dataset directory to write, not '.' or '..'")
+    name_max, path_max = _limits(out)
+    name = len(os.fsencode(out.name))
+    if name + _LOCK_SUFFIX > name_max:
+        raise ZayaError(f"{out}: name too long ({name} bytes; with its lock file .NAME.lock beside it, at most "
+                        f"{name_max - _LOCK_SUFFIX} bytes here)")
+    absolute = os.path.abspath(out)
+    for part in Path(absolute).parts:
+        if len(os.fsencode(part)) > name_max:
+            raise ZayaError(f"{out}: name too long ({shown(part, 30)} has {len(os.fsencode(part))} bytes; at most "
+                            f"{name_max} here)")
+    longest = max(len(os.fsencode(absolute)) + 1 + _LONGEST_FILE,
+                  len(os.fsencode(os.path.dirname(absolute))) + _STAGING + _LONGEST_FILE)
+    if longest >= path_max:
+        raise ZayaError(f"{out}: path too long (its files' paths would have {longest} bytes; at most "
+                        f"{path_max - 1} here)")
+
+
+def _limits(out: Path) -> tuple[int, int]:
+    """The file system's longest name and path, asked of the nearest directory that exists."""
+    directory = Path(os.path.abspath(out)).parent
+    while True:
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            # mkdir, unlike mkdtemp, honours the umask: the renamed directory gets ordinary permissions
-            staging = out.parent / f".{out.name}.partial-{secrets.token_hex(6)}"
-            staging.mkdir()
-        except OSError as exc:
-            raise ZayaError(f"{out}: cannot create ({exc.strerror})") from None
-        try:
-            yield staging
-            if out.exists():
-                retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-                out.rename(retired / "dataset")
-                staging.rename(out)
-                shutil.rmtree(retired, ignore_errors=True)
-            else:
-                staging.rename(out)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
+            return os.pathconf(directory, "PC_NAME_MAX"), os.pathconf(directory, "PC_PATH_MAX")
+        except (OSError, ValueError):
+            if directory.parent == directory:
+                return _NAME_MAX, _PATH_MAX
+            directory = directory.parent
 
 
 class _SplitWriter:

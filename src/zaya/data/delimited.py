@@ -20,17 +20,21 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from zaya.data.records import Record
+from zaya.data.records import MAX_RECORD_BYTES, Record
 from zaya.errors import ZayaError
 
-DELIMITERS = {"csv": ",", "tsv": "\t"}
-# cells may be whole documents, far beyond the parser's default limit of 128 KB
 _FIELD_LIMIT = min(sys.maxsize, 2**31 - 1)
 
+DELIMITERS = {"csv": ",", "tsv": "\t"}
+# A row may have at most this many fields: a row of a million empty cells costs 8 MB of pointers, and a cell of
+# two characters 50 bytes, so no bound on the row's size alone keeps it small. (Counted as the delimiters outside
+# quotes, a little generously where a quote appears inside an unquoted cell.)
+MAX_FIELDS = 1 << 20
 
-def header_column(stream: BinaryIO, path: Path, kind: str, text_field: str) -> int:
+
+def header_column(stream: BinaryIO, path: Path, kind: str, text_field: str, limit: int = MAX_RECORD_BYTES) -> int:
     """The index of the text column in the header row; a `ZayaError` if there is none."""
-    with _rows(stream, kind) as rows:
+    with _rows(stream, kind, path, limit) as (rows, _):
         try:
             header = next(rows, None)
         except csv.Error as exc:
@@ -38,15 +42,20 @@ def header_column(stream: BinaryIO, path: Path, kind: str, text_field: str) -> i
     return _column(path, header, text_field)
 
 
-def delimited_stream(stream: BinaryIO, path: Path, kind: str, text_field: str) -> Generator[Record, None, int]:
+def delimited_stream(stream: BinaryIO, path: Path, kind: str, text_field: str,
+                     limit: int = MAX_RECORD_BYTES) -> Generator[Record, None, int]:
     """The documents of a CSV or TSV file. Record indices count lines before the record, so that messages
-    name the line it starts on; returns the number of lines."""
-    with _rows(stream, kind) as rows:
+    name the line it starts on; returns the number of lines. A row over `limit` characters or `MAX_FIELDS`
+    fields stops the build at its line (the parser cannot skip it: whether a newline ends a row depends on
+    what came before)."""
+    with _rows(stream, kind, path, limit) as (rows, lines_read):
         try:
             header = next(rows, None)
             column = _column(path, header, text_field)
             lines = rows.line_num
+            lines_read.row_done()
             for row in rows:
+                lines_read.row_done()
                 if len(row) > column:
                     text, invalid = _restored(row[column])
                     if text:
@@ -64,19 +73,56 @@ def _column(path: Path, header: list[str] | None, text_field: str) -> int:
     if header is None:
         raise ZayaError(f"{path}: empty file, no header row")
     if text_field not in header:
-        raise ZayaError(f"{path}: no column '{text_field}' (columns: {', '.join(header)})")
+        shown = ", ".join(name if len(name) <= 60 else name[:57] + "..." for name in header[:50])
+        more = f" and {len(header) - 50} more" if len(header) > 50 else ""
+        raise ZayaError(f"{path}: no column '{text_field}' (columns: {shown}{more})")
     return header.index(text_field)
 
 
+class _Lines:
+    """The lines of a text stream for the CSV parser, each read with a bound: a row (one line or several, when a
+    quoted cell holds newlines) of more than `limit` characters or `MAX_FIELDS` fields stops the file with one
+    line naming where, before it is held. `row_done` starts the count of the next row."""
+
+    def __init__(self, text: io.TextIOBase, path: Path, kind: str, limit: int) -> None:
+        self.text, self.path, self.kind, self.limit = text, path, kind, limit
+        self.delimiter = DELIMITERS[kind]
+        self.line = 0
+        self.row_start = 1
+        self.row_chars = 0
+        self.row_fields = 1
+        self.quoted = False  # inside a quoted cell at the end of the last line read
+
+    def row_done(self) -> None:
+        self.row_start, self.row_chars, self.row_fields, self.quoted = self.line + 1, 0, 1, False
+
+    def __iter__(self) -> Iterator[str]:
+        while line := self.text.readline(self.limit - self.row_chars + 1):
+            self.line += 1
+            self.row_chars += len(line)
+            parts = line.split('"')
+            outside = parts[1::2] if self.quoted else parts[::2]
+            self.row_fields += sum(part.count(self.delimiter) for part in outside)
+            self.quoted ^= len(parts) % 2 == 0
+            if self.row_chars > self.limit:
+                raise ZayaError(f"{self.path}:{self.row_start}: a row of more than {self.limit:,} characters (the "
+                                "limit for one record)")
+            if self.row_fields > MAX_FIELDS:
+                raise ZayaError(f"{self.path}:{self.row_start}: a row of more than {MAX_FIELDS:,} fields (the limit "
+                                f"for one {self.kind.upper()} row)")
+            yield line
+
+
 @contextlib.contextmanager
-def _rows(stream: BinaryIO, kind: str) -> Iterator:
-    """A CSV reader over a binary stream. Undecodable bytes pass through as surrogates, so a bad byte in one
-    cell does not stop the file, and the parser's field size limit (process-wide, hence restored after)
-    is lifted while it reads."""
+def _rows(stream: BinaryIO, kind: str, path: Path, limit: int) -> Iterator:
+    """A CSV reader over a binary stream, and its `_Lines`. Undecodable bytes pass through as surrogates, so a
+    bad byte in one cell does not stop the file, and the parser's field size limit (process-wide, hence
+    restored after) is the bound for one record while it reads."""
     text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="surrogateescape", newline="")
-    previous = csv.field_size_limit(_FIELD_LIMIT)
+    lines = _Lines(text, path, kind, limit)
+    previous = csv.field_size_limit(min(limit, _FIELD_LIMIT))
     try:
-        yield csv.reader(text, delimiter=DELIMITERS[kind])
+        yield csv.reader(lines, delimiter=DELIMITERS[kind]), lines
     finally:
         csv.field_size_limit(previous)
         text.detach()  # the caller owns the stream

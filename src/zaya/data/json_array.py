@@ -17,7 +17,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import BinaryIO
 
-from zaya.data.records import ChatReader, Record, json_record
+from zaya.data.records import MAX_RECORD_BYTES, ChatReader, Record, json_record, too_long
 from zaya.errors import ZayaError
 
 _STRUCTURE = re.compile(rb'[\[\]{}",]')  # what matters outside strings
@@ -39,13 +39,16 @@ def sniff(stream: BinaryIO, path: Path) -> str:
     return "jsonl"
 
 
-def array_stream(stream: BinaryIO, path: Path, text_field: str,
-                 chat: ChatReader | None = None) -> Generator[Record, None, int]:
-    """The elements of a JSON array as records (chats with a `chat` format); returns the number of elements."""
-    scanner = _Scanner(stream, path)
+def array_stream(stream: BinaryIO, path: Path, text_field: str, chat: ChatReader | None = None,
+                 limit: int = MAX_RECORD_BYTES) -> Generator[Record, None, int]:
+    """The elements of a JSON array as records (chats with a `chat` format); an element over `limit` bytes is a
+    bad record, scanned but not held. Returns the number of elements."""
+    scanner = _Scanner(stream, path, limit)
     index = 0
     for raw in scanner.elements():
-        if raw.strip():
+        if raw is None:
+            record = too_long(index, "a chat" if chat is not None else "an element", limit)
+        elif raw.strip():
             record = json_record(index, raw, text_field, chat)
         else:
             record = Record(index, None, "not valid JSON (an empty element)")
@@ -58,14 +61,16 @@ def array_stream(stream: BinaryIO, path: Path, text_field: str,
 class _Scanner:
     """Finds the top-level elements of a JSON array in a byte stream, block by block."""
 
-    def __init__(self, stream: BinaryIO, path: Path) -> None:
-        self.stream, self.path = stream, path
+    def __init__(self, stream: BinaryIO, path: Path, limit: int = MAX_RECORD_BYTES) -> None:
+        self.stream, self.path, self.limit = stream, path, limit
         self.buffer = bytearray()
         self.dropped = 0  # bytes removed from the front of the buffer, for offsets in messages
 
-    def elements(self) -> Generator[bytes, None, None]:
-        """The raw bytes of each element, separators and brackets excluded."""
+    def elements(self) -> Generator[bytes | None, None, None]:
+        """The raw bytes of each element, separators and brackets excluded; None for an element over the limit
+        (its bytes are scanned as they come, and dropped)."""
         pos, depth, in_string, start, seen = 0, 0, False, 0, 0
+        skipping = False
         while True:
             match = (_IN_STRING if in_string else _STRUCTURE).search(self.buffer, pos)
             if match is not None and in_string and match.group() == b"\\" and match.end() == len(self.buffer):
@@ -73,7 +78,10 @@ class _Scanner:
             elif match is None:
                 pos = len(self.buffer)
             if match is None:
-                keep = start if depth else pos  # inside the array, the element being read stays
+                if depth and not skipping and pos - start > self.limit:
+                    skipping = True
+                # inside the array, the element being read stays (unless it is too long to keep)
+                keep = start if depth and not skipping else pos
                 if not depth and self.buffer[:keep].strip():
                     raise self._error("not a JSON array", 0)
                 if not self._more(keep):
@@ -96,10 +104,15 @@ class _Scanner:
             elif char == b'"':
                 in_string = True
             elif depth == 1 and char in b",]":
-                raw = bytes(self.buffer[start:match.start()])
-                if char == b"," or raw.strip() or seen:  # only `[]` has no element
-                    yield raw
+                if skipping or match.start() - start > self.limit:
+                    yield None
                     seen += 1
+                else:
+                    raw = bytes(self.buffer[start:match.start()])
+                    if char == b"," or raw.strip() or seen:  # only `[]` has no element
+                        yield raw
+                        seen += 1
+                skipping = False
                 start = pos
                 if char == b"]":
                     break

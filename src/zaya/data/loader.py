@@ -48,6 +48,7 @@ from zaya.data.order import (
 )
 from zaya.data.split_tokens import SplitTokens
 from zaya.errors import ZayaError
+from zaya.schema import shown
 
 STATE_VERSION = 1
 DEFAULT_PREFETCH = 2  # chunks prefetched beyond the one being handed out
@@ -184,7 +185,10 @@ class TokenLoader:
                 raise ZayaError(f"loader state: '{key}' is {state[key]!r}, but this loader has {mine[key]!r}; "
                                 "a resume needs the same data, seed, sequence length and blocks")
         self._consumed = _non_negative(state.get("consumed_samples"), "loader state: consumed_samples")
-        self._skip_ranges = normalize_skip_ranges(state.get("skip_ranges", []))
+        ranges = state.get("skip_ranges", [])
+        if not isinstance(ranges, list) or not all(isinstance(item, list) for item in ranges):
+            raise ZayaError(f"loader state: skip_ranges must be a list of [start, stop) pairs, got {shown(ranges)}")
+        self._skip_ranges = normalize_skip_ranges(ranges)
         self._discard_pending()
 
     def _identity(self) -> dict:
@@ -339,8 +343,8 @@ def _num_windows(tokens: SplitTokens, seq_len: int) -> int:
 
 
 def _non_negative(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ZayaError(f"{name} must be a non-negative integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ZayaError(f"{name} must be a non-negative integer (below 2**63), got {shown(value)}")
     return value
 
 

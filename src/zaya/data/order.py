@@ -45,6 +45,7 @@ import numpy as np
 
 from zaya.data.config import DEFAULT_BLOCK_SIZE, DEFAULT_GROUP_BLOCKS
 from zaya.errors import ZayaError
+from zaya.schema import shown
 
 WEIGHT_RESOLUTION = 1 << 16
 _BLOCKS_TAG = 1
@@ -67,9 +68,10 @@ def normalize_skip_ranges(ranges: Iterable[Sequence[int]]) -> SkipRanges:
     """Skip ranges as sorted, merged half-open [start, stop) pairs of positions."""
     pairs = []
     for item in ranges:
-        if (len(item) != 2 or not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in item)
-                or not 0 <= item[0] < item[1]):
-            raise ZayaError(f"skip range {list(item)!r}: expected [start, stop) with 0 <= start < stop")
+        if (not isinstance(item, Sequence) or isinstance(item, str) or len(item) != 2
+                or not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in item)
+                or not 0 <= item[0] < item[1] < 2**63):
+            raise ZayaError(f"skip range {shown(item)}: expected [start, stop) with 0 <= start < stop < 2**63")
         pairs.append((int(item[0]), int(item[1])))
     merged: list[tuple[int, int]] = []
     for start, stop in sorted(pairs):

@@ -9,16 +9,33 @@ reads the same whether it comes from a `.jsonl` line, a JSON array, a parquet or
 - invalid UTF-8 and the lone surrogates JSON escapes can produce become U+FFFD, and the document is flagged;
 - a JSON record must be an object whose text field is a string; a column value must not be null;
 - a chat record (`zaya data build --format chat`) must be an object whose `messages` the chat template can
-  render (`chat.py` checks them); its document is the rendered text, with the assistant turns' spans.
+  render (`chat.py` checks them); its document is the rendered text, with the assistant turns' spans;
+- no record is held in memory beyond a bound: a document, a line, a JSON element, a CSV row or a table cell of
+  more than `MAX_RECORD_BYTES` (64 MiB), a chat of more than `MAX_CHAT_BYTES` (16 MiB) or `MAX_CHAT_TURNS`
+  (10,000) messages, is a bad record whose bytes are skipped as they are read (`split_records`), never held
+  whole.
+
+The bounds are far beyond what corpora hold (a whole book is a few MB; The Stack leaves out source files over
+1 MB; the longest Wikipedia articles are about 1 MB of wikitext) and keep a worker's memory bounded: the encoder
+needs tens of bytes per character of what it is given at once, so a document is tokenized in parts, but the
+document itself, its UTF-8 copy and its parts are held while it is.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from zaya.reading import size_text
+
+MiB = 1 << 20
+MAX_RECORD_BYTES = 64 * MiB  # one document, line, JSON element, CSV row or table cell, as stored
+MAX_CHAT_BYTES = 16 * MiB  # one chat record (its JSON, or its messages' text in a table)
+MAX_CHAT_TURNS = 10_000  # messages in one chat
+_BLOCK = 1 << 20  # bytes read at a time by `split_records`
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,11 @@ class ReadOptions:
     doc_separator: str | None = None
     chat: ChatReader | None = None  # JSON records are chats, rendered by this (a `chat.ChatFormat`)
 
+    @property
+    def record_limit(self) -> int:
+        """The most bytes one record may hold (`MAX_CHAT_BYTES` for chats, else `MAX_RECORD_BYTES`)."""
+        return MAX_CHAT_BYTES if self.chat is not None else MAX_RECORD_BYTES
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -70,13 +92,15 @@ class Record:
 
     Indices count lines of a jsonl piece, rows of a table or CSV piece, elements of a JSON array and documents
     of a text piece; blank records are counted but not returned. A chat's document has `spans`: the character
-    ranges [start, stop) of `text` that the model learns to produce."""
+    ranges [start, stop) of `text` that the model learns to produce. A `fatal` problem stops the build even
+    without --strict: it is not the record's (a chat template that runs past its budget)."""
 
     index: int
     text: str | None
     problem: str | None = None
     invalid_utf8: bool = False
     spans: tuple[tuple[int, int], ...] | None = None
+    fatal: bool = False
 
 
 @dataclass
@@ -123,6 +147,38 @@ def clean(text: str) -> tuple[str, bool]:
     except UnicodeEncodeError:
         return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace"), True
     return text, False
+
+
+def too_long(index: int, what: str, limit: int) -> Record:
+    """The bad record of something over its bound (`what`: "a line", "a document", ...)."""
+    return Record(index, None, f"{what} of more than {size_text(limit)} (the limit for one record)")
+
+
+def split_records(read: Callable[[int], bytes], separator: bytes, limit: int, *,
+                  keep_lone_empty: bool = False) -> Iterator[bytes | None]:
+    """The records of a byte stream (`read(n)` gives its next bytes, b"" at its end) cut at `separator`, without
+    it; a record longer than `limit` bytes is None, its bytes skipped as they are read, never held. A last
+    record that is empty is left out, unless it is the only one and `keep_lone_empty` (a text file's one
+    document). At most `limit` + one block are held at a time."""
+    buffer = bytearray()
+    skipping = False
+    count = 0
+    reach = limit + len(separator) - 1  # a record of `limit` bytes may be followed by part of a separator
+    while block := read(_BLOCK):
+        search = max(0, len(buffer) - len(separator) + 1)  # a separator may straddle two blocks
+        buffer += block
+        cut = 0
+        while (found := buffer.find(separator, max(search, cut))) >= 0:
+            yield None if skipping or found - cut > limit else bytes(buffer[cut:found])
+            count += 1
+            skipping = False
+            cut = found + len(separator)
+        del buffer[:cut]
+        if len(buffer) > reach:
+            skipping = True
+            del buffer[:len(buffer) - len(separator) + 1]
+    if skipping or buffer or (count == 0 and keep_lone_empty):
+        yield None if skipping or len(buffer) > limit else bytes(buffer)
 
 
 def text_record(index: int, raw: bytes) -> Record | None:

@@ -39,6 +39,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from zaya.errors import ZayaError
+from zaya.reading import open_regular, os_reason
+
 FORMAT = "zaya-dataset"
 VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -47,6 +50,13 @@ SPLITS = ("train", "val")
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 tokens per super-shard
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _CHUNK = 1 << 22
+
+
+def plain_name(name: str) -> bool:
+    """A name of one entry of a directory: not empty, `.` or `..`, no separator or NUL, at most 255 bytes (what a
+    manifest or a saved dataset's metadata may name, so that it stays inside its directory)."""
+    return (bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
+            and len(name.encode("utf-8", "surrogatepass")) <= 255)
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -61,13 +71,16 @@ def fingerprint_of(manifest: dict) -> str:
 
 
 def sha256_file(path: Path, progress: tqdm | None = None) -> str:
-    """SHA-256 of a file, read in large chunks."""
+    """SHA-256 of a regular file, read in large chunks (a FIFO or device in its place is one `ZayaError`)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-            if progress is not None:
-                progress.update(len(chunk))
+    with open_regular(path, "a dataset file") as handle:
+        try:
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+                if progress is not None:
+                    progress.update(len(chunk))
+        except OSError as exc:
+            raise ZayaError(f"{path}: cannot read ({os_reason(exc)})") from None
     return digest.hexdigest()
 
 

@@ -111,7 +111,8 @@ class _Stream:
         # plain ndarrays over the mappings: np.memmap's Python-level indexing costs microseconds per call
         self.maps = [np.asarray(np.memmap(directory / f.file, dtype=dtype, mode="r")) for f in files]
         # descriptors for read-ahead advice; posix_fadvise, unlike mmap.madvise, releases the GIL
-        self.fds = [os.open(directory / f.file, os.O_RDONLY) for f in files] if _CAN_ADVISE else []
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC  # never waits on a FIFO put in a shard's place
+        self.fds = [os.open(directory / f.file, flags) for f in files] if _CAN_ADVISE else []
         self._windows: dict[int, list[tuple[int, np.ndarray]]] = {}
 
     def advise(self, ranges: list[tuple[int, int]]) -> None:

@@ -17,19 +17,26 @@ All of this needs pyarrow (an optional dependency; `datasets` brings it).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from zaya.data.records import InputFile, Piece, ReadOptions, Record, column_record
+import numpy as np
+
+from zaya.data.records import MAX_CHAT_TURNS, InputFile, Piece, ReadOptions, Record, column_record, too_long
+from zaya.data.shards import plain_name
 from zaya.errors import ZayaError
+from zaya.reading import os_reason, read_json_object
+from zaya.schema import Fields, shown
 
 DATASET_STATE = "state.json"
 DATASET_INFO = "dataset_info.json"
 DATASET_DICT = "dataset_dict.json"
 DEFAULT_SPLIT = "train"
 _ROWS = 1024  # rows converted to Python strings at a time
+_BATCH_BYTES = 16 << 20  # and about this many bytes of them (a cell over it on its own)
 _IPC_FILE_MAGIC = b"ARROW1"
+_MAX_ENTRIES = 1 << 20  # splits of a DatasetDict, arrow files of a Dataset
 
 
 # ---- Hugging Face `datasets` directories -------------------------------------------------------------
@@ -37,51 +44,44 @@ _IPC_FILE_MAGIC = b"ARROW1"
 
 def is_dataset_directory(path: Path) -> bool:
     """Whether a directory was written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
-    return (path / DATASET_DICT).is_file() or ((path / DATASET_STATE).is_file() and (path / DATASET_INFO).is_file())
+    return is_dataset_dict(path) or ((path / DATASET_STATE).is_file() and (path / DATASET_INFO).is_file())
+
+
+def is_dataset_dict(path: Path) -> bool:
+    """Whether a directory was written by `DatasetDict.save_to_disk` (a directory per split)."""
+    return (path / DATASET_DICT).is_file()
 
 
 def dataset_files(path: Path, split: str | None) -> list[Path]:
     """The arrow files of a saved dataset, in order; of a saved DatasetDict, those of `split` (`train` when
     None)."""
-    if (path / DATASET_DICT).is_file():
-        splits = _read_json(path / DATASET_DICT).get("splits")
-        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
-            raise ZayaError(f"{path / DATASET_DICT}: field 'splits' must be a list of split names")
+    if is_dataset_dict(path):
+        splits = _read_json(path / DATASET_DICT).list("splits", of=str, max_len=_MAX_ENTRIES)
         chosen = split or DEFAULT_SPLIT
         if chosen not in splits:
             hint = "" if split else "; choose one with --split"
-            raise ZayaError(f"{path}: no split '{chosen}' (splits: {', '.join(splits)}){hint}")
+            listed = ", ".join(name if len(name) <= 60 else name[:57] + "..." for name in splits[:20])
+            more = f" and {len(splits) - 20} more" if len(splits) > 20 else ""
+            raise ZayaError(f"{path}: no split {shown(chosen)} (splits: {listed}{more}){hint}")
+        if not plain_name(chosen):
+            raise ZayaError(f"{path / DATASET_DICT}: split {shown(chosen)} must be a plain directory name")
         path = path / chosen
     state_path = path / DATASET_STATE
-    entries = _read_json(state_path).get("_data_files")
-    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("filename"), str)
-                                                for e in entries):
-        raise ZayaError(f"{state_path}: field '_data_files' must be a list of {{\"filename\": ...}} objects")
+    entries = _read_json(state_path).list("_data_files", of=dict, max_len=_MAX_ENTRIES)
     files = []
-    for entry in entries:
-        name = entry["filename"]
-        if Path(name).name != name:
-            raise ZayaError(f"{state_path}: data file {name!r} must be a plain file name")
+    for i, entry in enumerate(entries):
+        name = Fields(entry, state_path, f"_data_files.{i}").str("filename")
+        if not plain_name(name):
+            raise ZayaError(f"{state_path}: data file {shown(name)} must be a plain file name")
         if not (path / name).is_file():
             raise ZayaError(f"{path / name}: no such file (listed in {state_path})")
         files.append(path / name)
     return files
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ZayaError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise ZayaError(f"{path}: cannot read ({exc.strerror})") from None
-    except ValueError as exc:
-        raise ZayaError(f"{path}: not valid JSON ({exc})") from None
-    except RecursionError:
-        raise ZayaError(f"{path}: not valid JSON (nested too deeply)") from None
-    if not isinstance(value, dict):
-        raise ZayaError(f"{path}: expected a JSON object")
-    return value
+def _read_json(path: Path) -> Fields:
+    # `datasets` metadata: a few KB, a list of file names at most (a cap of 16 MiB, nesting 64)
+    return Fields(read_json_object(path, "document", "a datasets metadata file"), path)
 
 
 # ---- pyarrow ------------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def _check_column(path: Path, schema, options: ReadOptions) -> None:
 
 def _unreadable(path: Path, what: str, exc: Exception) -> ZayaError:
     if isinstance(exc, OSError) and exc.strerror:
-        return ZayaError(f"{path}: cannot read ({exc.strerror})")
+        return ZayaError(f"{path}: cannot read ({os_reason(exc)})")
     # pyarrow raises ArrowInvalid (a ValueError) and friends for damaged files
     return ZayaError(f"{path}: not a readable {what} file ({str(exc).splitlines()[0] if str(exc) else exc!r})")
 
@@ -141,7 +141,9 @@ def _column_records(values: Iterator[list], options: ReadOptions) -> Generator[R
     index, chat = 0, options.chat
     for chunk in values:
         for value in chunk:
-            if chat is None:
+            if isinstance(value, _Oversized):
+                record = Record(index, None, value.problem)
+            elif chat is None:
                 record = column_record(index, value, options.text_field)
             elif value is None:
                 record = Record(index, None, f"field '{CHAT_COLUMN}' is null")
@@ -174,17 +176,31 @@ def parquet_pieces(file: InputFile, index: int, options: ReadOptions) -> list[Pi
 
 
 def parquet_stream(file: InputFile, piece: Piece, options: ReadOptions) -> Generator[Record, None, int]:
-    """The rows of a piece's row groups, decoded `_ROWS` at a time."""
+    """The rows of a piece's row groups, decoded in batches of about `_BATCH_BYTES` (by the row groups' sizes)."""
     parquet = _parquet_file(file.path)
-    batches = parquet.iter_batches(batch_size=_ROWS, row_groups=list(range(piece.start, piece.stop)),
-                                   columns=[_column(options)])
-    return (yield from _column_records(_guarded(file.path, "parquet", batches), options))
+    groups = list(range(piece.start, piece.stop))
+    batches = parquet.iter_batches(batch_size=_batch_rows(parquet.metadata, groups, _column(options)),
+                                   row_groups=groups, columns=[_column(options)])
+    return (yield from _column_records(_guarded(file.path, "parquet", batches, options), options))
 
 
-def _guarded(path: Path, what: str, batches) -> Iterator[list]:
+def _batch_rows(metadata, groups: list[int], column: str) -> int:
+    """Rows per decoded batch: about `_BATCH_BYTES` of the column, by its average size in these row groups."""
+    size = rows = 0
+    for group in groups:
+        row_group = metadata.row_group(group)
+        rows += row_group.num_rows
+        for i in range(row_group.num_columns):
+            chunk = row_group.column(i)
+            if chunk.path_in_schema == column or chunk.path_in_schema.startswith(column + "."):
+                size += chunk.total_uncompressed_size
+    return max(1, min(_ROWS, _BATCH_BYTES * max(1, rows) // max(1, size)))
+
+
+def _guarded(path: Path, what: str, batches, options: ReadOptions) -> Iterator[list]:
     try:
         for batch in batches:
-            yield batch.column(0).to_pylist()
+            yield from _bounded(batch.column(0), options)
     except Exception as exc:
         raise _unreadable(path, what, exc) from None
     finally:
@@ -262,13 +278,71 @@ def arrow_stream(file: InputFile, piece: Piece, options: ReadOptions) -> Generat
     try:
         _check_column(file.path, reader.schema, options)
         column = reader.schema.get_field_index(_column(options))
-        return (yield from _column_records(_sliced(reader.batches(piece.start, piece.stop), column), options))
+        return (yield from _column_records(_sliced(reader.batches(piece.start, piece.stop), column, options),
+                                           options))
     finally:
         reader.close()
 
 
-def _sliced(batches: Iterator, column: int) -> Iterator[list]:
+def _sliced(batches: Iterator, column: int, options: ReadOptions) -> Iterator[list]:
     for batch in batches:
-        values = batch.column(column)
-        for offset in range(0, len(values), _ROWS):
-            yield values.slice(offset, _ROWS).to_pylist()
+        yield from _bounded(batch.column(column), options)
+
+
+# ---- rows as Python values, within bounds ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Oversized:
+    """A cell over the bound for one record, in place of its value (never converted)."""
+
+    problem: str
+
+
+def _bounded(values, options: ReadOptions) -> Iterator[list]:
+    """A column's cells as Python values, at most `_ROWS` and about `_BATCH_BYTES` at a time; a cell over the
+    bound for one record (`ReadOptions.record_limit`; for chats also `MAX_CHAT_TURNS` messages) is an
+    `_Oversized` instead, measured in arrow's memory and never converted."""
+    sizes, turns = _cell_sizes(values, options.chat is not None)
+    limit = options.record_limit
+    start, count = 0, len(values)
+    while start < count:
+        stop, total = start, 0
+        while (stop < count and stop - start < _ROWS and sizes[stop] <= limit and turns[stop] <= MAX_CHAT_TURNS
+               and (stop == start or total + sizes[stop] <= _BATCH_BYTES)):
+            total += int(sizes[stop])
+            stop += 1
+        if stop > start:
+            yield values.slice(start, stop - start).to_pylist()
+            start = stop
+            continue
+        if turns[start] > MAX_CHAT_TURNS:
+            yield [_Oversized(f"a chat of {int(turns[start]):,} messages, more than {MAX_CHAT_TURNS:,} (the limit "
+                              "for one chat)")]
+        else:
+            yield [_Oversized(too_long(0, "a chat" if options.chat is not None else "a cell", limit).problem)]
+        start += 1
+
+
+def _cell_sizes(values, chat: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes of text in each cell (of a chat: in its messages' text fields) and, for chats, the number of
+    messages (zeros otherwise)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    def text_bytes(array) -> np.ndarray:
+        if not any(check(array.type) for check in (pa.types.is_string, pa.types.is_large_string,
+                                                   pa.types.is_binary, pa.types.is_large_binary)):
+            return np.zeros(len(array), dtype=np.int64)
+        return pc.binary_length(array).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+    if not chat:
+        return text_bytes(values), np.zeros(len(values), dtype=np.int64)
+    turns = values.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    messages = values.flatten()  # the messages of these rows, in order (null rows have none)
+    per_message = np.zeros(len(messages), dtype=np.int64)
+    for child in messages.flatten():
+        per_message += text_bytes(child)
+    running = np.concatenate([[0], np.cumsum(per_message)])
+    ends = np.cumsum(turns)
+    return running[ends] - running[ends - turns], turns

@@ -22,6 +22,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from zaya.errors import ZayaError
+from zaya.reading import decode_text, read_bytes
 
 TOKENIZER_FILE = "tokenizer.json"  # in a dataset, a checkpoint and an HF directory alike
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # beside it, where the tokenizer has a chat template (transformers' name)
@@ -56,13 +57,20 @@ def find_tokenizer(directory: Path) -> Path | None:
 
 def load_tokenizer(path: Path) -> Tokenizer:
     """Load a tokenizer.json, turning a missing or corrupt file into one clear error."""
+    return open_tokenizer(path)[0]
+
+
+def open_tokenizer(path: Path) -> tuple[Tokenizer, bytes]:
+    """A tokenizer.json and its exact bytes (the dataset stores an identical copy): a regular file of at most
+    256 MiB (the largest vocabularies in use take about 30 MB), UTF-8, that `tokenizers` can read."""
     path = Path(path)
-    if not path.is_file():
-        raise ZayaError(f"{path}: file not found")
+    data = read_bytes(path, "tokenizer", "a tokenizer.json")
+    text = decode_text(data, path)
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(text), data
     except Exception as exc:  # tokenizers raises a plain Exception subclass for bad files
-        raise ZayaError(f"{path}: not a valid tokenizer.json ({str(exc).splitlines()[0]})") from None
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ZayaError(f"{path}: not a valid tokenizer.json ({first[:200]})") from None
 
 
 def check_vocab_size(vocab_size: int) -> None:
@@ -88,12 +96,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, *, pro
     )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
-
-
-def open_tokenizer(path: Path) -> tuple[Tokenizer, bytes]:
-    """A tokenizer.json and its exact bytes (the dataset stores an identical copy)."""
-    tokenizer = load_tokenizer(path)
-    return tokenizer, Path(path).read_bytes()
 
 
 def tokenizer_bytes(tokenizer: Tokenizer) -> bytes:
