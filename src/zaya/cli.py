@@ -488,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, StartupFailed):
             exc.reported()
         return EXIT_BAD_INPUT
-    except Exception as exc:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         error = storage_error(exc)
         if error is not None:
             click.echo(f"zaya: error: {storage_message(error)}", err=True)

@@ -7,6 +7,8 @@ however that model is sharded. Nothing is unpickled.
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -14,7 +16,7 @@ from typing import Literal
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from zaya import checkpoint
+from zaya import checkpoint, reading
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
 from zaya.model.hf import (
@@ -42,17 +44,24 @@ _HASH_CHUNK = 1 << 22
 
 def model_dir_kind(path: Path) -> str:
     """'checkpoint' (ours), 'run' (a run or checkpoints directory) or 'hf' (config.json + safetensors)."""
-    if not path.exists():
-        raise ZayaError(f"{path}: no such directory")
-    if not path.is_dir():
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ZayaError(f"{path}: no such directory") from None
+    except OSError as exc:  # a loop of links, a name too long, no permission
+        raise ZayaError(f"{path}: cannot read ({reading.os_reason(exc)})") from None
+    except ValueError:
+        raise ZayaError(f"{path}: not a usable path (a NUL character)") from None
+    if not stat.S_ISDIR(mode):
         raise ZayaError(f"{path}: not a directory")
     if checkpoint.is_checkpoint(path):
         return "checkpoint"
-    if (path / "config.json").exists():
+    if os.path.lexists(path / "config.json"):
         return "hf"
-    if (path / checkpoint.INFO_FILE).exists():
+    if os.path.lexists(path / checkpoint.INFO_FILE):
         raise ZayaError(f"{path}: checkpoint has no {checkpoint.METADATA_FILE}")
-    if (path / CHECKPOINTS_DIR).is_dir() or (path / checkpoint.LATEST_FILE).exists() or any(path.glob("step_*")):
+    if (path / CHECKPOINTS_DIR).is_dir() or os.path.lexists(path / checkpoint.LATEST_FILE) or any(
+            path.glob("step_*")):
         return "run"
     raise ZayaError(f"{path}: neither a Hugging Face directory (config.json) nor a zaya checkpoint or run")
 
@@ -91,9 +100,8 @@ class WeightSource:
     def open(cls, path: str | Path, layout: LayoutChoice = "auto") -> WeightSource:
         directory, kind = resolve_model_dir(path)
         if kind == "checkpoint":
-            config, info = checkpoint.read_checkpoint_config(directory)
-            step = info.get("step")
-            return cls(directory, kind, "", config, step if isinstance(step, int) else None)
+            config, info = checkpoint.read_checkpoint_config(directory)  # its fields checked, the step's too
+            return cls(directory, kind, "", config, info.get("step"))
         config, chosen = read_hf_config(directory, layout)
         return cls(directory, kind, chosen, config)
 
@@ -124,7 +132,7 @@ class WeightSource:
             files = [self.path / "config.json", *sorted(safetensors_files(self.path))]
         for path in files:
             digest.update(path.name.encode() + b"\0")
-            with path.open("rb") as handle:
+            with reading.open_regular(path, "a weight file") as handle:
                 while chunk := handle.read(_HASH_CHUNK):
                     digest.update(chunk)
         return f"sha256:{digest.hexdigest()}"

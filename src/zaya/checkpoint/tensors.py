@@ -7,11 +7,9 @@ random-number-generator states as JSON.
 from __future__ import annotations
 
 import base64
-import os
 import random
-import shutil
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -23,8 +21,10 @@ from zaya.checkpoint.files import (
     MODEL_VERSIONS,
     VERSION,
     SafeReader,
-    fresh_staging,
-    fsync_dir,
+    copy_input,
+    named_as,
+    output_exists,
+    plain_storage_error,
     read_json,
     read_metadata,
     write_json,
@@ -33,6 +33,8 @@ from zaya.checkpoint.files import (
 from zaya.device import accelerator_rng_states, set_accelerator_rng_states
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
+from zaya.owned import Staging, remove_stale_staging
+from zaya.schema import Fields
 
 # ---- random-number generators -------------------------------------------------------------------------
 
@@ -71,12 +73,18 @@ def read_checkpoint_config(directory: Path) -> tuple[ZayaConfig, dict]:
     """The model config and the whole `zaya.json` of a checkpoint directory."""
     path = Path(directory) / INFO_FILE
     info = read_json(path)
-    if info.get("format") != FORMAT:
-        raise ZayaError(f"{path}: field 'format' must be '{FORMAT}'")
-    if info.get("version") not in MODEL_VERSIONS:
-        raise ZayaError(f"{path}: unsupported checkpoint version {info.get('version')!r} (this build reads "
+    fields = Fields(info, path)
+    fields.str("format", choices=(FORMAT,))
+    version = fields.int("version")
+    if version not in MODEL_VERSIONS:
+        raise ZayaError(f"{path}: unsupported checkpoint version {version!r} (this build reads "
                         f"{', '.join(map(str, MODEL_VERSIONS))})")
-    return ZayaConfig.from_dict(info.get("model"), source=f"{path}: model"), info
+    fields.str("dtype", None, choices=STORED_DTYPES)
+    fields.int("step", None, lo=0)
+    return ZayaConfig.from_dict(fields.dict("model"), source=f"{path}: model"), info
+
+
+STORED_DTYPES = ("float32", "bfloat16", "float16", "float64")  # what a checkpoint's weights may be stored in
 
 
 def _checkpoint_info(config: ZayaConfig, model: torch.nn.Module, world_size: int) -> dict:
@@ -85,23 +93,31 @@ def _checkpoint_info(config: ZayaConfig, model: torch.nn.Module, world_size: int
 
 
 def save_model_checkpoint(
-    directory: Path, model: torch.nn.Module, config: ZayaConfig, extra_files: Iterable[Path] = ()
+    directory: Path, model: torch.nn.Module, config: ZayaConfig, extra_files: Iterable[Path] = (), *,
+    replace: bool = False, check_replaced: Callable[[Path], None] | None = None,
 ) -> None:
-    """Write the model's weights as a complete single-process checkpoint into a fresh `directory`, atomically
-    (via `directory.tmp`). `extra_files` (a tokenizer, say) are copied in and covered by the manifest."""
+    """Write the model's weights as a complete single-process checkpoint at `directory`, atomically: made in a
+    staging directory of this process's own (`zaya.owned.Staging`) and renamed into place, or removed on any
+    failure (Ctrl-C and SIGTERM included). `extra_files` (a tokenizer, say) are copied in and covered by the
+    manifest. An existing `directory` is refused, unless `replace`: the caller has proved it is zaya's output
+    (`zaya.api.convert` does; `check_replaced(directory)` proves it again just before the swap). Errors name
+    `directory`, never the staging path."""
     directory = Path(directory)
-    tmp = fresh_staging(directory)
-    try:
-        dcp_save({"model": model.state_dict()}, tmp)
-        write_json(tmp / INFO_FILE, _checkpoint_info(config, model, world_size=1))
-        for extra in extra_files:
-            shutil.copyfile(extra, tmp / Path(extra).name)
-        write_manifest(tmp, 0, [p.name for p in tmp.iterdir() if p.is_file()])
-        os.replace(tmp, directory)
-        fsync_dir(directory.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    if not replace and output_exists(directory):
+        raise ZayaError(f"{directory}: already exists; refusing to overwrite")
+    remove_stale_staging(directory, locked=False)  # what killed writers of the same output left
+    with Staging(directory, "zaya checkpoint") as staging:
+        out = staging.path
+        with named_as(out, directory):
+            out.mkdir()
+            dcp_save({"model": model.state_dict()}, out)
+            write_json(out / INFO_FILE, _checkpoint_info(config, model, world_size=1))
+            for extra in extra_files:
+                copy_input(extra, out)
+            write_manifest(out, 0, [p.name for p in out.iterdir() if p.is_file()])
+        if replace and check_replaced is not None and output_exists(directory):
+            check_replaced(directory)
+        staging.commit(replace=replace)
 
 
 def load_model_weights(directory: Path, model: torch.nn.Module) -> None:
@@ -127,7 +143,15 @@ def load_tensors(directory: Path, state: dict, process_group=None) -> None:
             raise ZayaError(f"{directory}: tensor '{key}' has shape {list(stored.size)}, expected {list(tensor.shape)}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=SafeReader(str(directory)), process_group=process_group)
+        try:
+            dcp.load(state, storage_reader=SafeReader(str(directory)), process_group=process_group)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # DCP's CheckpointException: a disk's error, in one line
+            plain = plain_storage_error(exc)
+            if plain is not None:
+                raise plain from exc
+            raise
 
 
 def _flatten(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:

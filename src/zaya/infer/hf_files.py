@@ -18,22 +18,28 @@ from Hugging Face keeps its own files: they are carried in the checkpoint and wr
 A model trained on chats has the chat template of its data (`chat_template_of`): a checkpoint's
 chat_template.jinja, else the template of the dataset the run trained on (found as the end-of-document id is).
 A tokenizer_config.json made here carries it as `chat_template`, so `apply_chat_template` renders as zaya does.
+
+Every one of these files is read as any input (`zaya.reading`: a regular file, a size cap, a depth bound), its
+fields typed (`zaya.schema`): a wrong one is one line naming the file and the key. What only hints at a better
+export (a training checkpoint's run config, its dataset's manifest) is skipped when it is not as expected.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from zaya.checkpoint.files import TRAIN_STATE_FILE, read_json
+from zaya import reading
+from zaya.checkpoint.files import TRAIN_STATE_FILE, copy_input, read_json
 from zaya.data.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, load_tokenizer
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
+from zaya.schema import Fields, is_a
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_FILE = "special_tokens_map.json"
@@ -104,25 +110,30 @@ def derive_special_tokens(tokenizer: Tokenizer, config: ZayaConfig, eos_id: int 
 def read_special_tokens(tokenizer_config: dict, tokenizer: Tokenizer, source: Path | str) -> SpecialTokens:
     """The special tokens a tokenizer_config.json names (strings or {"content": ...} entries); `source` names
     the file in errors."""
+    fields = Fields(tokenizer_config, source)
     found: dict[str, Token | None] = {}
     for role in ROLES:
-        value = tokenizer_config.get(f"{role}_token")
-        text = value.get("content") if isinstance(value, dict) else value
-        if text is not None and not isinstance(text, str):
-            raise ZayaError(f"{source}: field '{role}_token' must be a string, got {text!r}")
+        key = f"{role}_token"
+        value = fields.obj(key) if isinstance(tokenizer_config.get(key), dict) else fields
+        text = value.str("content" if value is not fields else key, None)
         # a token the vocabulary lacks (a stock "<unk>", say) is one the tokenizer cannot produce
         token_id = tokenizer.token_to_id(text) if text is not None else None
         found[role] = Token(text, token_id) if token_id is not None else None
     add_bos, add_eos = _added_on_encode(tokenizer, found["bos"], found["eos"])
-    return SpecialTokens(**found, add_bos=bool(tokenizer_config.get("add_bos_token", add_bos)),
-                         add_eos=bool(tokenizer_config.get("add_eos_token", add_eos)))
+    return SpecialTokens(**found, add_bos=_flag(fields, "add_bos_token", add_bos),
+                         add_eos=_flag(fields, "add_eos_token", add_eos))
+
+
+def _flag(fields: Fields, name: str, default: bool) -> bool:
+    """A boolean setting; null (which transformers writes for "not set") is the default."""
+    return default if fields.data.get(name) is None else fields.bool(name)
 
 
 def special_tokens_of(model_dir: Path, tokenizer: Tokenizer, config: ZayaConfig) -> SpecialTokens:
     """The special tokens of the tokenizer of a model directory (an HF directory or a zaya checkpoint): those
     of its tokenizer_config.json if it has one, else derived as an export would write them."""
     path = Path(model_dir) / TOKENIZER_CONFIG_FILE
-    if path.is_file():
+    if os.path.lexists(path):
         return read_special_tokens(read_json(path), tokenizer, path)
     return derive_special_tokens(tokenizer, config, training_hints(model_dir).eos_id)
 
@@ -132,15 +143,13 @@ def training_hints(checkpoint_dir: Path) -> TrainingHints:
     any other directory, or when the run's config does not say)."""
     directory = Path(checkpoint_dir)
     state_path = directory / TRAIN_STATE_FILE
-    if not state_path.is_file():
+    if not os.path.lexists(state_path):
         return TrainingHints()
-    run = read_json(state_path).get("config")
-    if not isinstance(run, dict):
-        return TrainingHints()
-    data = run.get("data") or {}
-    phases = [p for p in run.get("phases") or [] if isinstance(p, dict)]
-    lengths = [n for n in [data.get("seq_len"), *(p.get("seq_len") for p in phases)] if isinstance(n, int) and n > 0]
-    sources = [data.get("path"), *(s.get("path") for p in phases for s in p.get("sources") or [])]
+    run = _object(read_json(state_path).get("config"))
+    data = _object(run.get("data"))
+    phases = [_object(p) for p in _list(run.get("phases"))]
+    lengths = [n for n in [data.get("seq_len"), *(p.get("seq_len") for p in phases)] if is_a(n, int) and n > 0]
+    sources = [data.get("path"), *(_object(s).get("path") for p in phases for s in _list(p.get("sources")))]
     eos_id, template = _dataset_tokenizer([s for s in sources if isinstance(s, str)], directory)
     return TrainingHints(seq_len=max(lengths) if lengths else None, eos_id=eos_id, chat_template=template)
 
@@ -149,14 +158,18 @@ def chat_template_of(model_dir: Path) -> str | None:
     """The chat template of a model directory: its chat_template.jinja, its tokenizer_config.json's
     `chat_template` (the one named "default" of a list), or a training checkpoint's dataset's; None if none."""
     directory = Path(model_dir)
-    if (directory / CHAT_TEMPLATE_FILE).is_file():
-        return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
-    if (directory / TOKENIZER_CONFIG_FILE).is_file():
-        template = read_json(directory / TOKENIZER_CONFIG_FILE).get("chat_template")
+    if os.path.lexists(directory / CHAT_TEMPLATE_FILE):
+        return reading.read_text(directory / CHAT_TEMPLATE_FILE, "template", "a chat template")
+    if os.path.lexists(directory / TOKENIZER_CONFIG_FILE):
+        path = directory / TOKENIZER_CONFIG_FILE
+        template = read_json(path).get("chat_template")
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-        if isinstance(template, str):
+        if template is not None and not isinstance(template, str):
+            raise ZayaError(f"{path}: field 'chat_template' must be a string or a list of named templates, got "
+                            f"{type(template).__name__}")
+        if template is not None:
             return template
     return training_hints(directory).chat_template
 
@@ -196,11 +209,11 @@ def write_hf_files(directory: Path, config: ZayaConfig, tokenizer_path: Path | N
     tokenizer.json). Those that `source` (the model's checkpoint or HF directory) has are copied unchanged;
     the others are made from the tokenizer, the model config and what `source` knows about its training."""
     directory = Path(directory)
-    preserved = {name for name in HF_FILES if source is not None and (Path(source) / name).is_file()}
+    preserved = {name for name in HF_FILES if source is not None and os.path.lexists(Path(source) / name)}
     for name in preserved:
-        shutil.copyfile(Path(source) / name, directory / name)
-    if source is not None and (Path(source) / CHAT_TEMPLATE_FILE).is_file():
-        shutil.copyfile(Path(source) / CHAT_TEMPLATE_FILE, directory / CHAT_TEMPLATE_FILE)
+        copy_input(Path(source) / name, directory)
+    if source is not None and os.path.lexists(Path(source) / CHAT_TEMPLATE_FILE):
+        copy_input(Path(source) / CHAT_TEMPLATE_FILE, directory)
     specials = None
     if tokenizer_path is not None and Path(tokenizer_path).is_file():
         tokenizer = load_tokenizer(tokenizer_path)
@@ -222,8 +235,10 @@ def write_hf_files(directory: Path, config: ZayaConfig, tokenizer_path: Path | N
 
 
 def present_hf_files(directory: Path) -> list[Path]:
-    """The files of HF_FILES (and the chat template) that `directory` holds (to carry into a checkpoint)."""
-    return [Path(directory) / name for name in (*HF_FILES, CHAT_TEMPLATE_FILE) if (Path(directory) / name).is_file()]
+    """The files of HF_FILES (and the chat template) that `directory` holds (to carry into a checkpoint; one that
+    is not a regular file is refused as it is copied)."""
+    return [Path(directory) / name for name in (*HF_FILES, CHAT_TEMPLATE_FILE)
+            if os.path.lexists(Path(directory) / name)]
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
@@ -248,28 +263,37 @@ def _dataset_tokenizer(paths: list[str], checkpoint_dir: Path) -> tuple[int | No
     from zaya.data.shards import MANIFEST_FILE
 
     tokenizer = checkpoint_dir / TOKENIZER_FILE
-    if not tokenizer.is_file():
+    if not os.path.lexists(tokenizer):
         return None, None
-    digest = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    digest = hashlib.sha256(reading.read_bytes(tokenizer, "tokenizer", "a tokenizer")).hexdigest()
     eos_id, template = None, None
     for path in paths:
         manifest = Path(path) / MANIFEST_FILE
-        if not manifest.is_file():
-            continue
         try:
-            info = json.loads(manifest.read_text(encoding="utf-8")).get("tokenizer") or {}
+            if not os.path.lexists(manifest):
+                continue
+            info = _object(reading.read_json_object(manifest, "manifest").get("tokenizer"))
             if info.get("sha256") != digest:
                 continue
-            chat = info.get("chat_template")
-            if template is None and isinstance(chat, dict) and isinstance(chat.get("file"), str):
-                data = (Path(path) / Path(chat["file"]).name).read_bytes()
+            chat = _object(info.get("chat_template"))
+            if template is None and isinstance(chat.get("file"), str):
+                data = reading.read_bytes(Path(path) / Path(chat["file"]).name, "template", "a chat template")
                 if hashlib.sha256(data).hexdigest() == chat.get("sha256"):
-                    template = data.decode("utf-8")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                    template = reading.decode_text(data, Path(path) / Path(chat["file"]).name)
+        except (ZayaError, OSError, ValueError):
             continue  # a hint, not a requirement: a damaged dataset just does not inform the export
-        if eos_id is None and isinstance(info.get("eos_id"), int):
+        if eos_id is None and is_a(info.get("eos_id"), int) and 0 <= info["eos_id"] < 1 << 31:
             eos_id = info["eos_id"]
     return eos_id, template
+
+
+def _object(value) -> dict:
+    """A hint's object, or an empty one when it is something else."""
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -40,7 +40,7 @@ def load_model(
     device = resolve_device(device)
     if kind == "checkpoint":
         config, info = checkpoint.read_checkpoint_config(path)
-        stored = getattr(torch, str(info.get("dtype", "float32")), torch.float32)
+        stored = getattr(torch, info.get("dtype", "float32"))  # one of checkpoint.STORED_DTYPES, as read
         model = empty_model(config, torch.device("cpu"), stored)
         checkpoint.load_model_weights(path, model)
     else:

@@ -8,7 +8,6 @@ give the checkpoint keys, and the loaders check every expected key, every extra 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Literal
@@ -16,6 +15,7 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 
+from zaya import reading
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
 from zaya.model.safetensors_files import (
@@ -25,6 +25,7 @@ from zaya.model.safetensors_files import (
     safetensors_files,
     write_weights,
 )
+from zaya.schema import is_a, shown
 
 Layout = Literal["native", "legacy"]
 
@@ -154,16 +155,9 @@ _NATIVE_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_atten
 
 
 def read_config_json(path: Path) -> dict:
-    """Parse `path` as a JSON object, with one-line errors for a missing or malformed file."""
-    if not path.is_file():
-        raise ZayaError(f"{path}: file not found")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ZayaError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ZayaError(f"{path}: expected a JSON object")
-    return data
+    """`path` as a JSON object, read as any input (`zaya.reading`: a regular file of at most 4 MiB, nested at most
+    64 deep), with one-line errors for a missing, malformed or unreadable file."""
+    return reading.read_json_object(path, "config", "a model's config.json")
 
 
 def detect_layout(data: dict) -> Layout:
@@ -176,15 +170,29 @@ def _get_int(data: dict, key: str, source: Path, default=None) -> int:
     value = data.get(key, default)
     if value is None:
         raise ZayaError(f"{source}: missing field '{key}'")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ZayaError(f"{source}: field '{key}' must be an integer, got {value!r}")
+    if not is_a(value, int):
+        raise ZayaError(f"{source}: field '{key}' must be an integer within +-2**63, got {shown(value)}")
+    return value
+
+
+def _get_str(data: dict, key: str, source: Path, default: str, prefix: str = "") -> str:
+    value = data.get(key, default)
+    if not isinstance(value, str):
+        raise ZayaError(f"{source}: field '{prefix}{key}' must be a string, got {shown(value)}")
+    return value
+
+
+def _get_bool(data: dict, key: str, source: Path, default: bool) -> bool:
+    value = data.get(key, default)
+    if not isinstance(value, bool):
+        raise ZayaError(f"{source}: field '{key}' must be true or false, got {shown(value)}")
     return value
 
 
 def _get_float(data: dict, key: str, source: Path, default: float) -> float:
     value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ZayaError(f"{source}: field '{key}' must be a number, got {value!r}")
+    if not is_a(value, (int, float)):
+        raise ZayaError(f"{source}: field '{key}' must be a finite number, got {shown(value)}")
     return float(value)
 
 
@@ -194,20 +202,22 @@ def _token_id(data: dict, key: str, source: Path, default: int) -> int:
         value = value[0]
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ZayaError(f"{source}: field '{key}' must be a token id, got {value!r}")
+    if not is_a(value, int):
+        raise ZayaError(f"{source}: field '{key}' must be a token id, got {shown(value)}")
     return value
 
 
 def config_from_native(data: dict, source: Path) -> ZayaConfig:
     """ZayaConfig from an HF-native `config.json` (ZAYA1-8B schema)."""
     if data.get("model_type", "zaya") != "zaya":
-        raise ZayaError(f"{source}: model_type is {data.get('model_type')!r}, expected 'zaya'")
+        raise ZayaError(f"{source}: model_type is {shown(data.get('model_type'))}, expected 'zaya'")
     for key in _NATIVE_REQUIRED:
         _get_int(data, key, source)
     if data.get("num_experts_per_tok", 1) != 1:
         raise ZayaError(f"{source}: num_experts_per_tok must be 1 (ZAYA routes each token to one expert)")
     layer_types = data.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, list):
+        raise ZayaError(f"{source}: field 'layer_types' must be a list")
     if layer_types is not None and any(t != "hybrid" for t in layer_types):
         raise ZayaError(f"{source}: layer_types other than 'hybrid' (sliding-window layers) are not supported")
     rope = data.get("rope_parameters") or {}
@@ -231,9 +241,9 @@ def config_from_native(data: dict, source: Path) -> ZayaConfig:
         pad_token_id=_token_id(data, "pad_token_id", source, 0),
         bos_token_id=_token_id(data, "bos_token_id", source, 2),
         eos_token_id=_token_id(data, "eos_token_id", source, 106),
-        skip_route=extra.get("skip_route", "zero"),
-        temp_init=extra.get("temp_init", 0.0),
-        fp32_logits=extra.get("fp32_logits", True),
+        skip_route=_get_str(extra, "skip_route", source, "zero", "zaya_stack."),
+        temp_init=_get_float(extra, "temp_init", source, 0.0),
+        fp32_logits=_get_bool(extra, "fp32_logits", source, True),
     )
     try:
         return ZayaConfig.from_dict(config, source=str(source))
@@ -246,10 +256,10 @@ def _first_nonzero(data: dict, key: str, source: Path) -> int | None:
     if value is None:
         return None
     if isinstance(value, list):
-        value = next((v for v in value if v), None)
+        value = next((v for v in value if v != 0), None)
         if value is None:
             raise ZayaError(f"{source}: field '{key}' has no non-zero entry")
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_a(value, int):
         raise ZayaError(f"{source}: field '{key}' must be an integer or a list of integers")
     return value
 
@@ -259,14 +269,14 @@ def config_from_legacy(data: dict, source: Path) -> ZayaConfig:
     hidden = _get_int(data, "hidden_size", source)
     layers = data.get("zaya_layers")
     if layers is not None:
-        if not isinstance(layers, list) or len(layers) % 2 or any(
+        if not isinstance(layers, list) or not layers or len(layers) % 2 or any(
             (n % 2 == 0) != (kind == "a") for n, kind in enumerate(layers)
         ):
             raise ZayaError(f"{source}: field 'zaya_layers' must alternate 'a' (attention) and an expert count")
-        expert_counts = set(layers[1::2])
-        if len(expert_counts) != 1 or not all(isinstance(c, int) and c > 0 for c in expert_counts):
+        counts = layers[1::2]
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts) or len(set(counts)) != 1:
             raise ZayaError(f"{source}: field 'zaya_layers' must give every MoE layer the same expert count")
-        num_blocks, num_experts = len(layers) // 2, expert_counts.pop()
+        num_blocks, num_experts = len(layers) // 2, counts[0]
     else:
         total = _get_int(data, "num_hidden_layers", source)
         if total % 2:
@@ -275,14 +285,20 @@ def config_from_legacy(data: dict, source: Path) -> ZayaConfig:
     q_heads = _first_nonzero(data, "cca_num_q_heads", source) or _get_int(data, "num_attention_heads", source)
     kv_heads = (
         _first_nonzero(data, "num_query_groups_list", source)
-        or data.get("num_query_groups")
+        or (_get_int(data, "num_query_groups", source) if data.get("num_query_groups") else None)
         or _get_int(data, "num_key_value_heads", source)
     )
-    head_dim = data.get("kv_channels") or data.get("head_dim")
+    head_key = "kv_channels" if data.get("kv_channels") else "head_dim"
+    head_dim = _get_int(data, head_key, source) if data.get(head_key) is not None else None
     if head_dim is None:
         # The fork derives the head width from num_attention_heads, which it keeps at twice the q heads.
-        head_dim = hidden // _get_int(data, "num_attention_heads", source)
+        heads = _get_int(data, "num_attention_heads", source)
+        if heads < 1:
+            raise ZayaError(f"{source}: field 'num_attention_heads' must be a positive integer, got {heads}")
+        head_dim = hidden // heads
     ffn = _first_nonzero(data, "ffn_hidden_size_list", source) or _get_int(data, "ffn_hidden_size", source, 4096)
+    if ffn < 2:
+        raise ZayaError(f"{source}: the expert fc1 width (ffn_hidden_size) must be a positive even integer, got {ffn}")
     if ffn % 2:
         raise ZayaError(f"{source}: the expert fc1 width (ffn_hidden_size) must be even (gate and up halves)")
     router = _first_nonzero(data, "zaya_mlp_expansion", source) or 256
@@ -310,7 +326,7 @@ def config_from_legacy(data: dict, source: Path) -> ZayaConfig:
         bos_token_id=_token_id(data, "bos_token_id", source, 2),
         eos_token_id=_token_id(data, "eos_token_id", source, 1),
         skip_route="identity",
-        fp32_logits=bool(data.get("zaya_high_prec", True)),
+        fp32_logits=_get_bool(data, "zaya_high_prec", source, True),
     )
     return ZayaConfig.from_dict(config, source=str(source))
 
@@ -401,7 +417,10 @@ class TensorSource:
         return self.location[key]
 
     def dtype(self) -> torch.dtype:
-        """The dtype of the embedding, the checkpoint's working dtype."""
+        """The dtype of the embedding, the checkpoint's working dtype (fp32 for a directory of no tensors at all,
+        which the loader then refuses naming what is missing)."""
+        if not self.location:
+            return torch.float32
         key = "model.embed_tokens.weight" if "model.embed_tokens.weight" in self.location else next(iter(self.location))
         name = self._handles[self.location[key]].get_slice(key).get_dtype()
         return _SAFETENSORS_DTYPES.get(name, torch.float32)

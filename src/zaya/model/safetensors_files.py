@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from decimal import Decimal
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from zaya import reading
 from zaya.errors import ZayaError
+from zaya.schema import Fields
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -120,15 +123,9 @@ def read_weight_map(directory: Path) -> dict[str, str] | None:
     """The index's tensor -> file map (None without an index), each file a plain name inside `directory`: an
     index must not make a loader open files elsewhere."""
     index = Path(directory) / INDEX_FILE
-    if not index.is_file():
+    if not os.path.lexists(index):
         return None
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ZayaError(f"{index}: not valid JSON ({exc})") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict):
-        raise ZayaError(f"{index}: missing field 'weight_map'")
+    weight_map = Fields(reading.read_json_object(index, "document", "a safetensors index"), index).dict("weight_map")
     for key, name in weight_map.items():
         if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
             raise ZayaError(f"{index}: entry '{key}' names {name!r}, not a file name inside {directory}")
@@ -141,13 +138,21 @@ def safetensors_files(directory: Path) -> list[Path]:
     weight_map = read_weight_map(directory)
     if weight_map is not None:
         files = [directory / name for name in sorted(set(weight_map.values()))]
-    elif (directory / SINGLE_FILE).is_file():
+    elif os.path.lexists(directory / SINGLE_FILE):
         files = [directory / SINGLE_FILE]
     else:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ZayaError(f"{directory}: no *.safetensors weight files")
     for file in files:
-        if not file.is_file():
-            raise ZayaError(f"{file}: weight file listed in the index is missing")
+        try:
+            mode = os.stat(file).st_mode
+        except FileNotFoundError:
+            listed = f"listed in {INDEX_FILE} " if weight_map is not None else ""
+            raise ZayaError(f"{file}: weight file {listed}is missing") from None
+        except OSError as exc:
+            raise ZayaError(f"{file}: cannot read ({reading.os_reason(exc)})") from None
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise ZayaError(f"{file}: {kind}; a weight file must be a safetensors file")
     return files

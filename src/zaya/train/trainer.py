@@ -420,7 +420,7 @@ class Trainer:
                         self.log(line)
                     if self.resume_from is None and self.setup.init_from is not None:
                         self.log(record_init(self.run_dir, self.setup.init_from, self._init_seconds))
-                self.manager.clean_uncommitted()
+                self.manager.clean_uncommitted(log=self.log)
                 self._open_metrics()
                 try:
                     return self._loop()
