@@ -94,18 +94,28 @@ def test_a_save_where_something_else_stands_is_one_error_not_a_deletion(root, na
     assert (root / "latest").read_text() == "step_00000001\n"
 
 
-def test_the_pointer_is_written_through_no_link(root, tmp_path):
+def test_the_pointer_is_written_through_no_link_and_replaces_only_zayas(root, tmp_path):
     manager = ckpt.CheckpointManager(root, keep=3)
     _save(manager, 1)
     precious = tmp_path / "precious.txt"
     precious.write_text("mine")
-    (root / "latest").unlink()
-    (root / "latest").symlink_to(precious)
     (root / "latest.tmp").symlink_to(precious)  # the name the pointer was once written at
     _save(manager, 2)
-    assert precious.read_text() == "mine"
-    assert not (root / "latest").is_symlink() and (root / "latest").read_text() == "step_00000002\n"
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "latest.tmp", "step_00000001", "step_00000002"]
+    assert precious.read_text() == "mine" and (root / "latest.tmp").is_symlink()
+    assert (root / "latest").read_text() == "step_00000002\n"
+    (root / "latest").unlink()
+    (root / "latest").symlink_to(precious)  # a link is nobody's pointer: refused, neither followed nor replaced
+    before = _tree(root)
+    with pytest.raises(ZayaError, match="latest: a symbolic link, not a pointer zaya wrote; refusing to replace it"):
+        _save(manager, 3)
+    assert _tree(root) == before and precious.read_text() == "mine"
+    # a small file called latest where zaya has no checkpoint is the user's
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "latest").write_text("my latest draft\n")
+    with pytest.raises(ZayaError, match="latest: not a pointer zaya wrote, and no checkpoint of zaya's is beside it"):
+        _save(ckpt.CheckpointManager(users, keep=3), 1)
+    assert sorted(p.name for p in users.iterdir()) == ["latest"]
 
 
 def _loop(path: Path) -> None:
@@ -141,7 +151,7 @@ def test_a_pointer_that_cannot_be_read_falls_back_to_directory_order_in_one_line
     assert ckpt.resolve_checkpoint(root.parent) == root / "step_00000002"  # a command that only reads
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"warning: {root / 'latest'}: ") and match in line and "step_00000002" in line
-    if case in ("huge", "a FIFO"):  # not what a pointer of zaya's can be: not replaced either
+    if case in ("huge", "a FIFO", "a link loop"):  # not what a pointer of zaya's can be: not replaced either
         with pytest.raises(ZayaError, match="not a pointer zaya wrote; refusing to replace it"):
             _save(manager, 3)
         assert not (root / "step_00000003.tmp").exists()

@@ -223,17 +223,22 @@ class CheckpointManager:
             raise
 
     def _check_pointer(self, advice: str) -> None:
-        """`latest` is replaced at the commit only if it may be zaya's pointer: a regular file no larger than a
-        pointer may be (a damaged one is rewritten), or a link (replaced, never followed); a directory, a FIFO, a
-        device or a larger file is someone else's."""
+        """`latest` is replaced at the commit only if it is zaya's pointer: a regular file that names a step
+        (`step_N`), or, where zaya's own checkpoints are, a regular file no larger than a pointer (a damaged pointer
+        of this run's, rewritten). A link, a directory, a FIFO, a device, a larger file, or a small file beside no
+        checkpoint of zaya's is someone else's."""
         latest = self.root / LATEST_FILE
         try:
             info = os.lstat(latest)
         except FileNotFoundError:
             return
-        if stat.S_ISLNK(info.st_mode) or (stat.S_ISREG(info.st_mode) and info.st_size <= reading.CAPS["pointer"]):
-            return
+        if stat.S_ISREG(info.st_mode) and info.st_size <= reading.CAPS["pointer"]:
+            if _names_a_step(latest) or any(zaya_made(path) for path in self.committed()):
+                return
+            raise ZayaError(f"{latest}: not a pointer zaya wrote, and no checkpoint of zaya's is beside it; refusing "
+                            f"to replace it ({advice})")
         kind = (f"larger than {reading.size_text(reading.CAPS['pointer'])}" if stat.S_ISREG(info.st_mode) else
+                "a symbolic link" if stat.S_ISLNK(info.st_mode) else
                 "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file")
         raise ZayaError(f"{latest}: {kind}, not a pointer zaya wrote; refusing to replace it ({advice})")
 
@@ -489,6 +494,15 @@ def _empty_directory(path: Path) -> bool:
             return next(entries, None) is None
     except OSError:
         return False
+
+
+def _names_a_step(pointer: Path) -> bool:
+    """Whether the file `pointer` holds what zaya writes there: a step directory's name and a newline."""
+    try:
+        text = reading.read_text(pointer, "pointer", follow_links=False)
+    except ZayaError:
+        return False
+    return STEP_DIR.fullmatch(text.strip()) is not None
 
 
 def _unused_name(path: Path) -> Path:
