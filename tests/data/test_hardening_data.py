@@ -119,8 +119,10 @@ def test_overwrite_replaces_a_dataset_or_an_empty_directory_and_only_our_own_sta
 # ---- interruptions ------------------------------------------------------------------------------------------
 
 _SLOW_BUILD = """
-import os, sys, time
+import faulthandler, os, signal, sys, time
 import zaya.data.build as build, zaya.data.build_worker as worker
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, should it not end
 
 def encode_job(job):  # a worker that announces itself and then takes its time
     with open(sys.argv[1], "a") as ready:
@@ -138,24 +140,31 @@ def test_ctrl_c_removes_the_builds_staging_and_lock_and_ends_its_workers(tmp_pat
     inputs.mkdir()
     for i in range(2):  # two files of more than a unit of work each: two jobs, in a pool of two workers
         (inputs / f"{i}.txt").write_text(f"document {i} of many words\n" * 12_000)
-    out, ready = tmp_path / "out", tmp_path / "ready"
+    out, ready, logs = tmp_path / "out", tmp_path / "ready", tmp_path.parent / f"{tmp_path.name}.stderr"
     before = _tree(tmp_path)
-    process = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_BUILD, str(ready), *map(str, _build_args(inputs, out, tokenizer_file)[:-3]),
-         "--workers", "2", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+    with open(logs, "wb") as stderr:  # a file, not a pipe: the wait is for the build, not for its pipe's holders
+        process = subprocess.Popen(
+            [sys.executable, "-c", _SLOW_BUILD, str(ready), *map(str, _build_args(inputs, out, tokenizer_file)[:-3]),
+             "--workers", "2", "--no-progress"], stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while len(ready.read_text().split() if ready.exists() else []) < 2:
-            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            assert process.poll() is None and time.monotonic() < deadline, logs.read_text()
             time.sleep(0.02)
         workers = [int(pid) for pid in ready.read_text().split()]
         assert lock_path(out).exists() and any(p.name.startswith(".out.") and p.is_dir() for p in tmp_path.iterdir())
         os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the build and its workers
-        _, err = process.communicate(timeout=30)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            pytest.fail(f"the build did not end within 30 s of Ctrl-C; its threads:\n{logs.read_text()}")
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+    err = logs.read_text()
+    logs.unlink()
     assert process.returncode == 130 and err.split() == ["zaya:", "aborted"], err  # no worker's traceback
     ready.unlink()
     assert _tree(tmp_path) == before  # no staging, no lock, no output: nothing but what was there
