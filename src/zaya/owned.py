@@ -90,7 +90,7 @@ class Staging:
                 raise
         self.committed = True
         with contextlib.suppress(OSError):
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
 
     def __exit__(self, *exc) -> None:
         # a swap interrupted between its two renames would leave no `target`: put the old one back first
@@ -226,12 +226,24 @@ def _write_error(path: Path, exc: OSError) -> BaseException:
     return ZayaError(f"{path}: cannot write ({os_reason(exc)})")
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path | str) -> None:
+    """Make a rename or a new file in `directory` durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_parent(path: Path | str) -> None:
+    """Create the directories above an output file; one line if they cannot be."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ZayaError(f"{path}: cannot write (a parent is not a directory)") from None
+    except OSError as exc:
+        raise _write_error(path, exc) from None
 
 
 # ---- signals ------------------------------------------------------------------------------------------

@@ -422,12 +422,6 @@ def plain_storage_error(exc: BaseException, where: Path | None = None) -> OSErro
     return OSError(error.errno, error.strerror, error.filename or (str(where) if where is not None else None))
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _first_line(exc: BaseException) -> str:

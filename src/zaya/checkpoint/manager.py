@@ -45,7 +45,6 @@ from zaya.checkpoint.files import (
     LATEST_FILE,
     TRAIN_STATE_FILE,
     copy_input,
-    fsync_dir,
     is_checkpoint,
     plain_storage_error,
     real_directory,
@@ -58,6 +57,7 @@ from zaya.checkpoint.files import (
 from zaya.checkpoint.tensors import dcp_save, rng_state
 from zaya.device import pinned_host_memory
 from zaya.errors import ZayaError, storage_error
+from zaya.owned import fsync_dir
 from zaya.reading import os_reason
 from zaya.run_dir import CHECKPOINTS_DIR
 from zaya.schema import shown

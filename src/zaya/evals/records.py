@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -24,7 +23,7 @@ from pathlib import Path
 from zaya import checkpoint
 from zaya.errors import ZayaError, storage_error
 from zaya.reading import os_reason
-from zaya.run_dir import CHECKPOINTS_DIR, EVALS_FILE
+from zaya.run_dir import CHECKPOINTS_DIR, EVALS_FILE, open_append
 from zaya.weights import model_dir_kind, resolve_model_dir
 
 
@@ -73,28 +72,15 @@ def append_record(run_dir: Path, record: dict) -> Path:
     path = Path(run_dir) / EVALS_FILE
     check_record_file(run_dir)
     line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
-    # never through a link (it would append to whatever it names), and never blocking (a FIFO with no reader
-    # would wait forever): only the run's own regular file, or a new one
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ZayaError(f"{path}: a symbolic link; refusing to append to it") from None
-        if storage_error(exc) is not None:
-            raise
-        raise ZayaError(f"{path}: cannot append ({os_reason(exc)})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ZayaError(f"{path}: not a regular file; refusing to append to it")
-        os.write(fd, line)
-        os.fsync(fd)
+        # never through a link, never blocking on a FIFO (`open_append`); one write, so readers never see half
+        with open_append(path) as handle:
+            os.write(handle.fileno(), line)
+            os.fsync(handle.fileno())
     except OSError as exc:
         if storage_error(exc) is not None:
             raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise ZayaError(f"{path}: cannot append ({os_reason(exc)})") from None
-    finally:
-        os.close(fd)
     return path
 
 

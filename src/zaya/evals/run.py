@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zaya.errors import ZayaError, storage_error
+from zaya.errors import ZayaError
 from zaya.evals.records import (
     append_record,
     check_record_file,
@@ -25,7 +25,7 @@ from zaya.evals.records import (
     run_dir_of,
     task_metrics,
 )
-from zaya.owned import check_output, write_output
+from zaya.owned import check_output, make_parent, write_output
 from zaya.reading import CAPS, os_reason, size_text
 from zaya.run_dir import EVALS_DIR
 
@@ -162,18 +162,6 @@ def _results_path(model: Path, run_dir: Path | None, step: int | None) -> Path:
     while os.path.lexists(path):  # two runs in one second (a dangling link counts: never written through)
         path, n = base.with_name(f"{base.name}-{n}.json"), n + 1
     return path
-
-
-def make_parent(path: Path) -> None:
-    """Create the directories above an output file; one line if they cannot be."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ZayaError(f"{path}: cannot write (a parent is not a directory)") from None
-    except OSError as exc:
-        if storage_error(exc) is not None:
-            raise
-        raise ZayaError(f"{path}: cannot write ({os_reason(exc)})") from None
 
 
 def _evals_dir(path: Path) -> Path:

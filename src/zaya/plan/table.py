@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from zaya.errors import ZayaError, storage_error
-from zaya.owned import check_output, write_output
-from zaya.reading import os_reason, parse_json, read_bytes
+from zaya.errors import ZayaError
+from zaya.owned import check_output, make_parent, write_output
+from zaya.reading import parse_json, read_bytes
 from zaya.schema import Fields, shown
 
 FORMAT = "zaya-gemm-table"
@@ -376,17 +376,5 @@ def check_cache(path: str | os.PathLike) -> None:
     if os.path.lexists(path) and not is_table_file(path):
         raise ZayaError(f"{path}: exists and is not a GEMM table zaya wrote; refusing to replace it (move it "
                         "away, or give --out)")
-
-
-def make_parent(path: Path) -> None:
-    """Create the directories above an output file; one line if they cannot be."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ZayaError(f"{path}: cannot write (a parent is not a directory)") from None
-    except OSError as exc:
-        if storage_error(exc) is not None:
-            raise
-        raise ZayaError(f"{path}: cannot write ({os_reason(exc)})") from None
 
 
