@@ -123,6 +123,9 @@ import faulthandler, os, signal, sys, time
 import zaya.data.build as build, zaya.data.build_worker as worker
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, should it not end
+# Ctrl-C as it reaches a zaya started at a terminal: a test runner started in the background (`make test &`)
+# hands its children SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def encode_job(job):  # a worker that announces itself and then takes its time
     with open(sys.argv[1], "a") as ready:
