@@ -50,14 +50,14 @@ def test_only_step_directories_zaya_made_are_removed_or_renamed(root):
     killed.mkdir()
     ckpt.files.write_step_marker(killed)  # what a killed save leaves: zaya's marker, then some shards
     (killed / "__0_0.distcp").write_bytes(b"partial")
-    (root / "step_00000006.tmp").mkdir()  # killed between its mkdir and its marker: empty, nothing to lose
+    (root / "step_00000006.tmp").mkdir()  # empty: left alone, and taken over by a save of step 6
     _save(manager, 3)
     _save(manager, 4)  # keep = 1: zaya's step 2 and 3 go, nobody else's directories do
     assert sorted(p.name for p in root.glob("step_0000000[234]")) == ["step_00000004"]
     before = _tree(root)
     lines = []
     manager.clean_uncommitted(log=lines.append)
-    assert not killed.exists() and not (root / "step_00000006.tmp").exists()
+    assert not killed.exists() and (root / "step_00000006.tmp").is_dir()
     assert lines == [f"{root / 'step_7.tmp'}: not a checkpoint zaya was writing; left as it is"]
     # training's look for a checkpoint, by directory order: a user's step_* is skipped and said, never renamed
     (root / "latest").unlink()
@@ -80,6 +80,8 @@ def test_only_step_directories_zaya_made_are_removed_or_renamed(root):
     (root / "latest").unlink()
     assert manager.newest_valid(log=lines.append) == root / "step_00000003"
     assert (root / "step_00000004.bad").is_dir() and not (root / "step_00000004").exists()
+    _save(manager, 6)  # the empty directory of that name is written into, not removed first
+    assert ckpt.is_zaya_checkpoint(root / "step_00000006") and not (root / "step_00000006.tmp").exists()
 
 
 @pytest.mark.parametrize("name", ["step_00000002", "step_00000002.tmp"])

@@ -207,19 +207,22 @@ class CheckpointManager:
         if os.path.lexists(final) and not zaya_made(final):
             raise ZayaError(f"{final}: exists and is not a checkpoint zaya wrote; refusing to replace it ({advice})")
         self._check_pointer(advice)
+        taken = False  # an empty directory of that name is written into, not removed: nothing in it is lost
         if os.path.lexists(tmp):
             if zaya_made(tmp):
                 shutil.rmtree(tmp)
             elif _empty_directory(tmp):
-                tmp.rmdir()
+                taken = True
             else:
                 raise ZayaError(f"{tmp}: exists and is not a checkpoint zaya was writing; refusing to delete it "
                                 f"({advice})")
-        tmp.mkdir(parents=True)
+        if not taken:
+            tmp.mkdir(parents=True)
         try:
             write_step_marker(tmp)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # just made, holding at most the marker being written
+            if not taken:
+                shutil.rmtree(tmp, ignore_errors=True)  # just made, holding at most the marker being written
             raise
 
     def _check_pointer(self, advice: str) -> None:
@@ -365,10 +368,7 @@ class CheckpointManager:
                 continue
             if zaya_made(path):
                 shutil.rmtree(path, ignore_errors=True)
-            elif _empty_directory(path):
-                with contextlib.suppress(OSError):
-                    path.rmdir()
-            elif log is not None:
+            elif log is not None and not _empty_directory(path):  # an empty one is taken over if a save needs it
                 log(f"{path}: not a checkpoint zaya was writing; left as it is")
 
     def newest_valid(self, log: Callable[[str], None] = print, set_aside: bool = True,
