@@ -136,6 +136,13 @@ def fifo(path: Path) -> Path:
 # ---- the cases -----------------------------------------------------------------------------------------
 
 
+def args(*items):
+    """A case's setup that only names its arguments: {fx} is the fixtures' directory, {d} the case's own."""
+    def setup(d, fx):
+        return [str(a).replace("{fx}", str(fx)).replace("{d}", str(d)) for a in items]
+    return setup
+
+
 def ownership_cases() -> list[Case]:
     def webapp(d, fx):
         app = user_dir(d, "manifest.json", "index.html")
@@ -367,11 +374,6 @@ def resource_cases() -> list[Case]:
 
 
 def traceback_cases() -> list[Case]:
-    def args(*items):
-        def setup(d, fx):
-            return [str(a).replace("{fx}", str(fx)).replace("{d}", str(d)) for a in items]
-        return setup
-
     def latest_not_utf8(action: str):
         def setup(d, fx):
             run = copy_run(fx, d)
@@ -484,11 +486,6 @@ def traceback_cases() -> list[Case]:
 
 
 def silent_cases() -> list[Case]:
-    def args(*items):
-        def setup(d, fx):
-            return [str(a).replace("{fx}", str(fx)).replace("{d}", str(d)) for a in items]
-        return setup
-
     def unlisted_weights(d, fx):
         run = copy_run(fx, d)
         for checkpoint in (run / "checkpoints").glob("step_*[0-9]"):
@@ -524,11 +521,6 @@ def silent_cases() -> list[Case]:
 
 
 def message_cases() -> list[Case]:
-    def args(*items):
-        def setup(d, fx):
-            return [str(a).replace("{fx}", str(fx)).replace("{d}", str(d)) for a in items]
-        return setup
-
     def safetensors_dir(d, fx):
         shutil.copytree(fx / "hf", d / "hf")
         (d / "hf" / "model.safetensors").unlink()

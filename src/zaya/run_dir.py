@@ -44,6 +44,12 @@ SUPERVISOR_DIR = "supervisor"
 def open_append(path: Path | str) -> TextIO:
     """`path` opened to append text, created if missing: a file of zaya's own, so never through a symbolic link
     planted at its name, and never a FIFO (which would block) or a device; either is one `ZayaError`."""
+    return os.fdopen(append_fd(path), "a", encoding="utf-8")
+
+
+def append_fd(path: Path | str) -> int:
+    """`open_append`'s descriptor, for one `os.write` of a whole record. Another error of the open (no
+    permission, a full disk) is the `OSError` itself, for the caller to name."""
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, 0o644)
@@ -60,4 +66,4 @@ def open_append(path: Path | str) -> TextIO:
     except BaseException:
         os.close(fd)
         raise
-    return os.fdopen(fd, "a", encoding="utf-8")
+    return fd

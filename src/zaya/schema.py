@@ -35,21 +35,26 @@ class Fields:
     def __contains__(self, name: str) -> bool:
         return name in self.data
 
-    def _get(self, name: str, default: Any) -> Any:
-        if name in self.data:
-            return self.data[name]
+    def _absent(self, name: str, default: Any) -> Any:
+        """What an absent field gives: its default, or one line if it has none."""
         if default is _MISSING:
             raise ZayaError(f"{self.source}: missing field '{self.key(name)}'")
         return default
+
+    def _items(self, name: str, items, of: type | tuple[type, ...]) -> None:
+        for key, item in items:
+            if not is_a(item, of):
+                raise ZayaError(f"{self.source}: field '{self.key(name)}.{key}' must be {_names(of)}, got "
+                                f"{shown(item)}")
 
     def _wrong(self, name: str, expected: str, value: Any) -> ZayaError:
         return ZayaError(f"{self.source}: field '{self.key(name)}' must be {expected}, got {shown(value)}")
 
     def int(self, name: str, default: Any = _MISSING, *, lo: int | None = None, hi: int | None = None) -> Any:
         """An integer (not a bool) in [lo, hi] (within +-2**63 in any case)."""
-        value = self._get(name, default)
-        if value is default and name not in self.data:
-            return value
+        if name not in self.data:
+            return self._absent(name, default)
+        value = self.data[name]
         low = -INT_BOUND if lo is None else lo
         high = INT_BOUND - 1 if hi is None else hi
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
@@ -66,9 +71,9 @@ class Fields:
 
     def float(self, name: str, default: Any = _MISSING, *, lo: float | None = None, hi: float | None = None) -> Any:
         """A finite number (an integer is taken as one) in [lo, hi]."""
-        value = self._get(name, default)
-        if value is default and name not in self.data:
-            return value
+        if name not in self.data:
+            return self._absent(name, default)
+        value = self.data[name]
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
             lo is None or value >= lo) and (hi is None or value <= hi)
         if not ok:
@@ -79,9 +84,9 @@ class Fields:
 
     def str(self, name: str, default: Any = _MISSING, *, choices: tuple[str, ...] | None = None,
             max_len: int = 1 << 16) -> Any:
-        value = self._get(name, default)
-        if value is default and name not in self.data:
-            return value
+        if name not in self.data:
+            return self._absent(name, default)
+        value = self.data[name]
         if not isinstance(value, str) or len(value) > max_len:
             raise self._wrong(name, f"a string of at most {max_len:,} characters", value)
         if choices is not None and value not in choices:
@@ -89,9 +94,9 @@ class Fields:
         return value
 
     def bool(self, name: str, default: Any = _MISSING) -> Any:
-        value = self._get(name, default)
-        if value is default and name not in self.data:
-            return value
+        if name not in self.data:
+            return self._absent(name, default)
+        value = self.data[name]
         if not isinstance(value, bool):
             raise self._wrong(name, "true or false", value)
         return value
@@ -99,40 +104,34 @@ class Fields:
     def list(self, name: str, default: Any = _MISSING, *, of: type | tuple[type, ...] | None = None,
              max_len: int | None = None) -> Any:
         """A list, each item of type `of` (ints exclude bools) if given, at most `max_len` long."""
-        value = self._get(name, default)
-        if value is default and name not in self.data:
-            return value
+        if name not in self.data:
+            return self._absent(name, default)
+        value = self.data[name]
         if not isinstance(value, list) or (max_len is not None and len(value) > max_len):
             limit = f" of at most {max_len:,} items" if max_len is not None else ""
             raise self._wrong(name, f"a list{limit}", value)
         if of is not None:
-            for i, item in enumerate(value):
-                if not is_a(item, of):
-                    raise ZayaError(f"{self.source}: field '{self.key(name)}.{i}' must be {_names(of)}, got "
-                                    f"{shown(item)}")
+            self._items(name, enumerate(value), of)
         return value
 
     def obj(self, name: str, default: Any = _MISSING) -> Any:
         """A nested object, as `Fields` (`default` is returned as it is when the field is absent)."""
-        value = self._get(name, default)
-        if value is default and name not in self.data:
-            return value
+        if name not in self.data:
+            return self._absent(name, default)
+        value = self.data[name]
         if not isinstance(value, dict):
             raise self._wrong(name, "an object", value)
         return Fields(value, self.source, self.key(name))
 
     def dict(self, name: str, default: Any = _MISSING, *, of: type | tuple[type, ...] | None = None) -> Any:
         """A nested object as a plain dict, each value of type `of` if given."""
-        value = self._get(name, default)
-        if value is default and name not in self.data:
-            return value
+        if name not in self.data:
+            return self._absent(name, default)
+        value = self.data[name]
         if not isinstance(value, dict):
             raise self._wrong(name, "an object", value)
         if of is not None:
-            for key, item in value.items():
-                if not is_a(item, of):
-                    raise ZayaError(f"{self.source}: field '{self.key(name)}.{key}' must be {_names(of)}, got "
-                                    f"{shown(item)}")
+            self._items(name, value.items(), of)
         return value
 
 

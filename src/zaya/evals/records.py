@@ -23,7 +23,7 @@ from pathlib import Path
 from zaya import checkpoint
 from zaya.errors import ZayaError, storage_error
 from zaya.reading import os_reason
-from zaya.run_dir import CHECKPOINTS_DIR, EVALS_FILE, open_append
+from zaya.run_dir import CHECKPOINTS_DIR, EVALS_FILE, append_fd
 from zaya.weights import model_dir_kind, resolve_model_dir
 
 
@@ -73,10 +73,13 @@ def append_record(run_dir: Path, record: dict) -> Path:
     check_record_file(run_dir)
     line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
     try:
-        # never through a link, never blocking on a FIFO (`open_append`); one write, so readers never see half
-        with open_append(path) as handle:
-            os.write(handle.fileno(), line)
-            os.fsync(handle.fileno())
+        # never through a link, never blocking on a FIFO (`append_fd`); one write, so readers never see half
+        fd = append_fd(path)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError as exc:
         if storage_error(exc) is not None:
             raise OSError(exc.errno, exc.strerror, str(path)) from None

@@ -159,12 +159,12 @@ def broken_rows(logits_BV: torch.Tensor) -> torch.Tensor:
 
 
 def _prepared(logits_BV: torch.Tensor, sampling: Sampling, seen_BV: torch.Tensor | None,
-              allowed_V: torch.Tensor | None) -> torch.Tensor:
-    """The logits in fp32, penalised, finite, and -inf where not allowed. A broken row (`broken_rows`) is made
-    uniform, so that `multinomial` never sees NaN (on a GPU that is a device-side assert that ends the process);
-    `decode_loop` refuses the whole generation once it has ended."""
+              allowed_V: torch.Tensor | None, broken_B: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits in fp32, penalised, finite, and -inf where not allowed. A broken row (`broken_rows`, unless the
+    caller has them as `broken_B` already) is made uniform, so that `multinomial` never sees NaN (on a GPU that is a
+    device-side assert that ends the process); `decode_loop` refuses the whole generation once it has ended."""
     logits = logits_BV.float()
-    logits = logits.masked_fill(broken_rows(logits)[:, None], 0.0)
+    logits = logits.masked_fill((broken_rows(logits) if broken_B is None else broken_B)[:, None], 0.0)
     # a huge penalised logit saturates instead of overflowing; a -inf the model gave stays far below the others
     logits = sampling.penalise(logits, seen_BV).clamp(-_FP32_MAX, _FP32_MAX)
     if allowed_V is not None:
@@ -173,7 +173,7 @@ def _prepared(logits_BV: torch.Tensor, sampling: Sampling, seen_BV: torch.Tensor
 
 
 def distribution(logits_BV: torch.Tensor, sampling: Sampling, seen_BV: torch.Tensor | None = None,
-                 allowed_V: torch.Tensor | None = None) -> torch.Tensor:
+                 allowed_V: torch.Tensor | None = None, broken_B: torch.Tensor | None = None) -> torch.Tensor:
     """The probabilities [B, V] a sampled token is drawn from (see `Sampling`): zero outside the top-k and the
     nucleus, which keeps the smallest set of most likely tokens whose mass reaches top_p (at least one), and zero
     for ids that `allowed_V` [V] (bool) leaves out.
@@ -181,7 +181,7 @@ def distribution(logits_BV: torch.Tensor, sampling: Sampling, seen_BV: torch.Ten
     The logits are shifted so that the largest allowed one is 0 before the temperature divides them: every
     scaled logit is <= 0 and one is 0, so no temperature makes an overflow (inf - inf) or a 0/0, and the
     softmax always has a token of weight 1 to normalise by."""
-    logits = _prepared(logits_BV, sampling, seen_BV, allowed_V)
+    logits = _prepared(logits_BV, sampling, seen_BV, allowed_V, broken_B)
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / sampling.temperature
     if 0 < sampling.top_k < scaled.shape[-1]:
         kth = scaled.topk(sampling.top_k, dim=-1).values[:, -1:]
@@ -196,12 +196,14 @@ def distribution(logits_BV: torch.Tensor, sampling: Sampling, seen_BV: torch.Ten
 
 
 def next_token(logits_BV: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,
-               seen_BV: torch.Tensor | None = None, allowed_V: torch.Tensor | None = None) -> torch.Tensor:
+               seen_BV: torch.Tensor | None = None, allowed_V: torch.Tensor | None = None,
+               broken_B: torch.Tensor | None = None) -> torch.Tensor:
     """Pick one token per row from last-position logits [B, V]; `seen_BV` marks the tokens each row has had, for
-    the repetition penalty; `allowed_V` [V] (bool), if given, the only ids that may be picked."""
+    the repetition penalty; `allowed_V` [V] (bool), if given, the only ids that may be picked; `broken_B`: the
+    rows' `broken_rows`, if the caller has them."""
     if sampling.greedy:
-        return _prepared(logits_BV, sampling, seen_BV, allowed_V).argmax(dim=-1)
-    return torch.multinomial(distribution(logits_BV, sampling, seen_BV, allowed_V), 1,
+        return _prepared(logits_BV, sampling, seen_BV, allowed_V, broken_B).argmax(dim=-1)
+    return torch.multinomial(distribution(logits_BV, sampling, seen_BV, allowed_V, broken_B), 1,
                              generator=generator).squeeze(-1)
 
 
@@ -289,8 +291,9 @@ def decode_loop(
     out = []
     broken = torch.zeros_like(finished)
     for i in range(max_new_tokens):
-        broken |= broken_rows(logits)
-        token = next_token(logits, sampling, generator, seen, allowed)
+        broken_B = broken_rows(logits)  # once per step: gathered here, made harmless in next_token
+        broken |= broken_B
+        token = next_token(logits, sampling, generator, seen, allowed, broken_B)
         if agree is not None:
             token = agree(token)
         if seen is not None:

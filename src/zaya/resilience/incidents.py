@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import time
 from pathlib import Path
 
 from zaya.errors import ZayaError
 from zaya.reading import MiB, bounded_lines, open_regular, os_reason, parse_json, size_text
 from zaya.resilience.findings import clip
-from zaya.resilience.statedir import check_file, file_kind
+from zaya.resilience.statedir import check_file, open_append
 from zaya.schema import Fields
 
 INCIDENTS_CAP = 64 * MiB  # an incidents file a report reads: a long run's records are a few hundred bytes each
@@ -59,17 +58,9 @@ class IncidentLog:
         record = {"time": now_iso(), "event": "incident", **{k: _clipped(v) for k, v in record.items()}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = (json.dumps(record) + "\n").encode()
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = open_append(self.path, "the incidents file")  # never through a link, never blocking on a FIFO
         try:
-            fd = os.open(self.path, flags, 0o644)
-        except OSError as exc:
-            check_incidents_file(self.path)  # a link, a FIFO nobody reads: say what it is
-            raise ZayaError(f"{self.path}: cannot append an incident ({os_reason(exc)})") from None
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise ZayaError(f"{self.path}: {file_kind(mode)}, not a regular file; the incidents file must be one")
-            os.write(fd, data)
+            os.write(fd, data)  # one write: a reader never sees half a record
             os.fsync(fd)
         finally:
             os.close(fd)

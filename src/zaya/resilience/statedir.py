@@ -24,6 +24,7 @@ from pathlib import Path
 from zaya.errors import ZayaError
 from zaya.reading import os_reason, parse_json, read_bytes
 from zaya.resilience.heartbeat import BEAT_NAME, TMP_NAME
+from zaya.run_dir import append_fd
 from zaya.schema import Fields, shown
 
 CORDON_FILE = "cordon.json"
@@ -81,18 +82,10 @@ def open_append(path: Path, what: str) -> int:
     """A descriptor appending to the regular file `path` (made if absent); a link, FIFO, device or directory there
     is one line, and the open never blocks."""
     check_file(path, what)
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags, 0o644)
+        return append_fd(path)
     except OSError as exc:
-        check_file(path, what)  # planted since the check: say what it is
         raise ZayaError(f"{path}: cannot write {what} ({os_reason(exc)})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise ZayaError(f"{path}: {file_kind(mode)}, not a regular file; {what} must be one")
-    os.set_blocking(fd, True)
-    return fd
 
 
 def clear_beats(directory: Path) -> None:
