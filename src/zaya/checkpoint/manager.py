@@ -54,7 +54,7 @@ from zaya.checkpoint.files import (
     write_step_marker,
     zaya_made,
 )
-from zaya.checkpoint.tensors import dcp_save, rng_state
+from zaya.checkpoint.tensors import alone, dcp_save, rng_state
 from zaya.device import pinned_host_memory
 from zaya.errors import ZayaError, storage_error
 from zaya.owned import fsync_dir
@@ -186,7 +186,8 @@ class CheckpointManager:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
-                                            process_group=self.control_group, async_stager=self._staging)
+                                            process_group=self.control_group, async_stager=self._staging,
+                                            no_dist=alone(self.control_group))
                 self._pending = threading.Thread(target=self._run_pending, args=(finish, future), daemon=True)
                 self._pending.start()
             else:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from zaya.checkpoint.files import (
@@ -144,7 +145,8 @@ def load_tensors(directory: Path, state: dict, process_group=None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            dcp.load(state, storage_reader=SafeReader(str(directory)), process_group=process_group)
+            dcp.load(state, storage_reader=SafeReader(str(directory)), process_group=process_group,
+                     no_dist=alone(process_group))
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # DCP's CheckpointException: a disk's error, in one line
@@ -168,4 +170,17 @@ def dcp_save(state: dict, directory: Path, process_group=None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True),
-                 process_group=process_group)
+                 process_group=process_group, no_dist=alone(process_group))
+
+
+def alone(process_group=None) -> bool:
+    """Whether DCP has only this process to coordinate over `process_group` (None: the default group, if any);
+    it is then told so (`no_dist`), and skips its collectives, which write the same files.
+
+    Those collectives are not free even on one rank: gloo runs them in its own threads, and the pickled save or
+    load plans they copy there (tens of KB for a training state) are large enough for ATen to copy them with an
+    OpenMP team of that thread. The team lives as long as the group, and libgomp, once it manages more threads
+    than there are cores, stops spin-waiting at the barriers of every parallel region, the training thread's
+    included: every step after the first save (or a resume's load) ran a quarter to a third slower on a
+    2-core CPU (docs/speed.md#after-a-checkpoint)."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1
