@@ -1,13 +1,17 @@
-"""Whether the routers keep their tokens spread at lr 0.01: the demo's model (`tiny` with d = 192 and 4 experts)
-and the `tiny` preset (8 experts), each trained with the vectors (norms, biases, residual scales and biases, EDA
-gammas, temperatures) at several fractions of AdamW's rate (`optim.vector_lr_ratio`; 1.0 is the recipe before
-it, 0.03 the default), same seed, same data, same order, the default balancing gain.
+"""How short runs of a config written from the docs train and route: held-out loss and expert load at step 40 of
+small models, by the key temperature at init (`model.temp_init`), the learning rate, the vectors' share of AdamW's
+rate (`optim.vector_lr_ratio`) and the seed, each run on the same data in the same order, with the defaults for
+everything else (the schedule included: no warmup).
 
-    python benchmarks/expert_balance.py [--steps 40] [--seq 128] [--batch 16] [--ratios 1.0 0.1 0.03]
+    python benchmarks/expert_balance.py [--shapes micro mini mini16] [--temps 0 1] [--lrs 0.003] [--seeds 0]
+                                        [--ratios 0.03] [--steps 40] [--seq 128] [--batch 8]
 
-For each run: the last training loss, the busiest expert's load over the mean load (the largest over the
-layers: 4.0 of 4 or 8.0 of 8 is every token on one expert) at every fifth step and over the last ten steps, and
-the step at which the default collapse warning (3.0 x the mean in 20 steps in a row) fired, if it did.
+For each run: the held-out loss at the last step (8 batches) and the last training loss; the busiest expert's
+load over the mean load of each step (the largest over the layers): its largest value in the first 20 steps, how
+many of those steps were above the collapse ratio (3.0) and its largest value in the last 10 steps; the step at
+which the rule before the averaged load (3.0 x in 20 steps in a row, per step) would have warned; and the rule
+the trainer applies (`zaya.resilience.signals.CollapseWatch`: the load averaged over 20 steps): the largest
+averaged busiest/mean from step 20 on, and the step of its warning, if any.
 """
 
 from __future__ import annotations
@@ -23,26 +27,32 @@ from trainer_overhead import make_dataset
 from zaya.config import load_config
 from zaya.config_toml import toml_value
 from zaya.report.report import read_all_incidents
+from zaya.resilience.policy import TrainingSettings
+from zaya.resilience.signals import CollapseWatch
 from zaya.train.metrics import read_metrics
 from zaya.training import build_trainer
 
 warnings.filterwarnings("ignore")
 
 SHAPES = {
-    "demo": {"preset": "tiny", "hidden_size": 192, "head_dim": 24, "num_experts": 4},
-    "tiny": {"preset": "tiny"},
+    "micro": {"preset": "micro", "vocab_size": 8192},  # 4 experts, d 128, 3 blocks
+    "mini": {"preset": "mini", "vocab_size": 8192},  # 8 experts, d 256, 4 blocks
+    "mini16": {"preset": "mini", "vocab_size": 8192, "num_experts": 16, "moe_intermediate_size": 64},
+    "demo": {"preset": "tiny", "hidden_size": 192, "head_dim": 24, "num_experts": 4},  # configs/tiny.toml's
+    "tiny": {"preset": "tiny"},  # 8 experts, d 256, 4 blocks, experts of width 256
 }
+SETTINGS = TrainingSettings()
 
 
-def run(root: Path, data: Path, args: argparse.Namespace, shape: str, ratio: float) -> dict:
-    name = f"{shape}-{ratio:g}"
+def run(root: Path, data: Path, args: argparse.Namespace, shape: str, temp: float, lr: float, ratio: float,
+        seed: int) -> dict:
+    name = f"{shape}-temp{temp:g}-lr{lr:g}-ratio{ratio:g}-seed{seed}"
     sections = {
-        "model": {**SHAPES[shape], "temp_init": 1.0},
+        "model": {**SHAPES[shape], "temp_init": temp},
         "data": {"path": str(data), "seq_len": args.seq},
-        "train": {"seed": 0, "max_steps": args.steps, "micro_batch_size": args.batch,
-                  "global_batch_size": args.batch, "precision": "fp32", "eval_every": 0},
-        "optim": {"lr": 0.01, "vector_lr_ratio": ratio, "ns_dtype": "float32"},
-        "schedule": {"warmup_steps": 20},
+        "train": {"seed": seed, "max_steps": args.steps, "micro_batch_size": args.batch,
+                  "global_batch_size": args.batch, "precision": "fp32", "eval_every": args.steps, "eval_batches": 8},
+        "optim": {"lr": lr, "vector_lr_ratio": ratio, "ns_dtype": "float32"},
         "checkpoint": {"every": 100000},
         "logging": {"log_every": 1, "progress": False, "tensorboard": False},
     }
@@ -55,31 +65,57 @@ def run(root: Path, data: Path, args: argparse.Namespace, shape: str, ratio: flo
     seconds = time.perf_counter() - start
     rows = read_metrics(root / name)
     loads = [max(row["expert_imbalance"]) for row in rows]
-    collapse = [i["step"] for i in read_all_incidents(root / name) if i["signal"] == "expert_collapse"]
-    return {"name": name, "loss": rows[-1]["loss"], "loads": loads, "collapse": collapse[0] if collapse else None,
-            "seconds": seconds}
+    watch, averaged = CollapseWatch(SETTINGS), []
+    for row in rows:
+        watch.check(row["step"], row["expert_load"])
+        if row["step"] >= SETTINGS.collapse_steps:
+            averaged.append(max(watch.imbalance()))
+    warned = [i["step"] for i in read_all_incidents(root / name) if i["signal"] == "expert_collapse"]
+    return {"name": name, "eval": rows[-1]["eval_loss"], "loss": rows[-1]["loss"], "loads": loads,
+            "per_step_rule": _per_step_rule(rows), "averaged": max(averaged, default=float("nan")),
+            "warned": warned[0] if warned else None, "seconds": seconds}
+
+
+def _per_step_rule(rows: list[dict]) -> int | None:
+    """The step at which the rule before the averaged load warned: some layer above the ratio in `collapse_steps`
+    steps in a row."""
+    in_row = [0] * len(rows[0]["expert_imbalance"])
+    for row in rows:
+        in_row = [count + 1 if ratio > SETTINGS.collapse_ratio else 0
+                  for count, ratio in zip(in_row, row["expert_imbalance"], strict=True)]
+        if max(in_row) >= SETTINGS.collapse_steps:
+            return row["step"]
+    return None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--ratios", nargs="+", type=float, default=[1.0, 0.1, 0.03])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--shapes", nargs="+", default=["micro", "mini", "mini16"], choices=list(SHAPES))
+    parser.add_argument("--temps", nargs="+", type=float, default=[0.0, 1.0])
+    parser.add_argument("--lrs", nargs="+", type=float, default=[0.003])
+    parser.add_argument("--ratios", nargs="+", type=float, default=[0.03])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     args = parser.parse_args()
-    header(f"expert balance at lr 0.01: {args.steps} steps of {args.batch} x {args.seq} tokens")
+    header(f"short runs: {args.steps} steps of {args.batch} x {args.seq} tokens")
     with tempfile.TemporaryDirectory(prefix="zaya-balance-") as tmp:
         root = Path(tmp)
         data = make_dataset(root, vocab_size=8192)
         for shape in args.shapes:
-            for ratio in args.ratios:
-                result = run(root, data, args, shape, ratio)
-                loads = result["loads"]
-                every = " ".join(f"{load:.1f}" for load in loads[4::5])
-                fired = f"collapse warned at step {result['collapse']}" if result["collapse"] else "no collapse warning"
-                print(f"{result['name']:<10} loss {result['loss']:.3f}  busiest/mean every 5th step: {every}  "
-                      f"last 10: max {max(loads[-10:]):.2f}  {fired}  ({result['seconds']:.0f} s)", flush=True)
+            for lr in args.lrs:
+                for ratio in args.ratios:
+                    for temp in args.temps:
+                        for seed in args.seeds:
+                            r = run(root, data, args, shape, temp, lr, ratio, seed)
+                            loads, early = r["loads"], r["loads"][:SETTINGS.collapse_steps]
+                            above = sum(load > SETTINGS.collapse_ratio for load in early)
+                            print(f"{r['name']:<36} held-out {r['eval']:.3f}  loss {r['loss']:.3f}  busiest/mean per "
+                                  f"step: first {len(early)} max {max(early):.1f} ({above} above "
+                                  f"{SETTINGS.collapse_ratio:g}), last 10 max {max(loads[-10:]):.2f}; per-step rule: "
+                                  f"{r['per_step_rule'] or 'none'}; averaged: max {r['averaged']:.2f}, warning "
+                                  f"{r['warned'] or 'none'}  ({r['seconds']:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

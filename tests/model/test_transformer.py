@@ -21,7 +21,7 @@ def test_initialisation_follows_the_spec():
         assert (router.router_states_scale is None) == (block.index == 0)
         assert torch.all(router.down_proj.bias == 0)
         assert abs(block.moe.experts.gate_up_proj.std().item() - 0.02) < 0.002
-    assert zaya.build_model("micro", seed=0).blocks[0].attn.temp.tolist() == [0.0, 0.0]
+    assert zaya.build_model("micro", seed=0).blocks[0].attn.temp.tolist() == [1.0, 1.0]  # the default temp_init
 
 
 def test_a_block_at_init_is_a_plain_prenorm_block(make_model):

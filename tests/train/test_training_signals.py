@@ -10,7 +10,7 @@ from zaya import checkpoint as ckpt
 from zaya.config import load_config
 from zaya.resilience.incidents import read_incidents
 from zaya.resilience.policy import TrainingSettings
-from zaya.resilience.signals import CollapseWatch, SpikeDetector, as_ranges, straggler
+from zaya.resilience.signals import SpikeDetector, as_ranges, straggler
 from zaya.run_dir import SAMPLES_FILE
 from zaya.train.metrics import read_metrics
 from zaya.training import build_trainer
@@ -80,20 +80,6 @@ def test_straggler_is_the_rank_whose_own_time_stands_out():
     assert straggler(3, [0.001, 0.002], settings) is None  # 2x, but by under 50 ms
     finding = straggler(3, [0.01, 0.5, 0.012, 0.011], settings)
     assert finding.subject == "rank:1" and "rank 1 took 0.500 s" in finding.line
-
-
-def test_a_collapsing_layer_is_reported_once_after_k_steps_in_a_row_and_again_after_it_recovered():
-    watch = CollapseWatch(TrainingSettings(collapse_ratio=3.0, collapse_steps=3))
-    seen = [watch.check(step, layers) for step, layers in enumerate([
-        [3.5, 1.0], [3.5, 3.2], [1.2, 3.9],  # layer 0 recovers at step 2 before its third step
-        [3.1, 3.3],  # layer 1's third in a row
-        [3.1, 3.3], [3.6, 3.9],  # layer 0's third in a row; layer 1 already reported
-        [1.0, 1.0], [4.0, 4.0], [4.0, 4.0], [4.0, 4.0],  # both recovered, then collapse again together
-    ])]
-    assert [step for step, finding in enumerate(seen) if finding is not None] == [3, 5, 9]
-    assert seen[3].signal == "expert_collapse" and seen[3].subject == "layer:1"
-    assert "MoE layer 1:" in seen[3].line and "3 steps in a row (up to 3.30 x now)" in seen[3].line
-    assert "layer 0:" in seen[5].line and seen[9].count == 2 and "layers 0, 1:" in seen[9].line
 
 
 def test_positions_become_ranges():

@@ -61,7 +61,7 @@ def preset_names() -> list[str]:
 
 
 def get_preset(name: str, **overrides) -> ZayaConfig:
-    """The named preset as a config; `overrides` replace fields (e.g. `temp_init=1.0`)."""
+    """The named preset as a config; `overrides` replace fields (e.g. `temp_init=0.0`, the public code's init)."""
     if name not in PRESETS:
         raise ZayaError(f"unknown model preset '{name}' (known: {', '.join(PRESETS)})")
     return ZayaConfig(**{**PRESETS[name], **overrides})

@@ -8,9 +8,19 @@
     straggler    a rank's own host time in a step (its data and host work before the first collective, where
                  nobody waits for anybody) above straggler_ratio x the median rank's, by straggler_min_s
     expert collapse
-                 a MoE layer's busiest expert above collapse_ratio x the mean expert load (the step's route counts,
-                 over every rank) in collapse_steps steps in a row: reported once, again only after the layer
-                 has recovered
+                 a MoE layer's busiest expert above collapse_ratio x the mean expert load, the load averaged over
+                 the last collapse_steps steps (the steps' route counts, over every rank): reported once, again
+                 only after the layer has recovered
+
+A collapse is experts that stop getting tokens: the same few take the load step after step. A single step's
+busiest expert says little about that in a small run. At the start the routers' probabilities hardly differ
+between tokens, so the balancing biases decide, and each step hands most of the load to another expert; and
+in a few thousand tokens one frequent token (an indentation, a chat marker) is a large share of the load by
+itself. In 40-step runs of 4, 8 and 16 experts at lr 0.003 a step's busiest expert reached 4 to 10 x the mean in
+the first 20 steps (at times every token of the step), while the load averaged over 20 steps stayed within
+1.1-1.8 x (benchmarks/expert_balance.py, docs/benchmarks.md#expert-balance). Averaging over the steps keeps what a
+collapse is (the same expert, every step, its average goes to the number of experts) and drops what changes
+from step to step.
 """
 
 from __future__ import annotations
@@ -43,26 +53,41 @@ class SpikeDetector:
 
 
 class CollapseWatch:
-    """Counts, per MoE layer, the steps in a row whose busiest expert stands out (see the module docstring)."""
+    """Averages, per MoE layer, the expert load over the last `collapse_steps` steps and reports the layers whose
+    busiest expert stands out in that average (see the module docstring)."""
 
     def __init__(self, settings: TrainingSettings):
         self.settings = settings
-        self.in_row: list[int] = []  # per layer
+        self.average: list[list[float]] = []  # per layer, per expert: the load over the recent steps
+        self.steps = 0  # steps averaged since the watch started
         self.reported: set[int] = set()  # layers reported and not recovered since
 
-    def check(self, step: int, imbalance: list[float]) -> Finding | None:
-        """An `expert_collapse` finding naming the layers that have just reached `collapse_steps`, if any."""
+    def imbalance(self) -> list[float]:
+        """Per layer, the averaged load's busiest expert over its mean expert (1 is perfect balance)."""
+        return [max(layer) * len(layer) / total if (total := sum(layer)) > 0 else 1.0 for layer in self.average]
+
+    def check(self, step: int, loads: list[list[float]]) -> Finding | None:
+        """Add one step's `loads` (per layer, each expert's share of the routed tokens); an `expert_collapse`
+        finding naming the layers whose averaged load has just passed `collapse_ratio`, if any."""
         s = self.settings
-        if len(self.in_row) != len(imbalance):
-            self.in_row = [0] * len(imbalance)
+        horizon = max(1, s.collapse_steps)
+        if [len(layer) for layer in loads] != [len(layer) for layer in self.average]:
+            self.average, self.steps = [[0.0] * len(layer) for layer in loads], 0
+        # the plain mean of the first `horizon` steps, then a moving average over about as many: memory that does
+        # not grow with collapse_steps, and no judgement before a full window
+        weight = 1.0 / min(self.steps + 1, horizon)
+        for average, layer in zip(self.average, loads, strict=True):
+            for expert, load in enumerate(layer):
+                average[expert] += (float(load) - average[expert]) * weight
+        self.steps += 1
+        if self.steps < horizon:
+            return None
+        imbalance = self.imbalance()
         newly = []
         for layer, ratio in enumerate(imbalance):
-            if ratio > s.collapse_ratio:
-                self.in_row[layer] += 1
-            else:
-                self.in_row[layer] = 0
+            if ratio <= s.collapse_ratio:
                 self.reported.discard(layer)
-            if self.in_row[layer] >= max(1, s.collapse_steps) and layer not in self.reported:
+            elif layer not in self.reported:
                 self.reported.add(layer)
                 newly.append(layer)
         if not newly:
@@ -71,8 +96,8 @@ class CollapseWatch:
         layers = ", ".join(str(layer) for layer in newly)
         return Finding("expert_collapse", f"layer:{newly[0]}",
                        f"step {step}: experts collapsing in MoE layer{'s' if len(newly) > 1 else ''} {layers}: the "
-                       f"busiest expert took more than {s.collapse_ratio:g} x the mean load in "
-                       f"{max(1, s.collapse_steps)} steps in a row (up to {worst:.2f} x now)",
+                       f"busiest expert took more than {s.collapse_ratio:g} x the mean load over the last {horizon} "
+                       f"steps ({worst:.2f} x)",
                        "lower optim.vector_lr_ratio or the learning rate (docs/design.md, \"Optimizer\")",
                        count=len(newly))
 

@@ -97,7 +97,7 @@ class TrainingSignals:
             # once when a rank starts to straggle, not at every step it goes on straggling
             self.record(slow, self.policy.decide(slow).action, "reported", step)
         self._straggler = slow.subject if slow is not None else None
-        collapse = self.collapse.check(step, row["expert_imbalance"]) if not row["skipped"] else None
+        collapse = self.collapse.check(step, row["expert_load"]) if not row["skipped"] else None
         if collapse is not None:
             action = self.policy.decide(collapse).action
             if action == "stop":
