@@ -28,7 +28,7 @@ from zaya.resilience.diagnose import (
 )
 from zaya.resilience.diagnose_cli import diagnose
 from zaya.resilience.findings import Finding
-from zaya.resilience.signatures import _RULES, _SEPARATORS, _triggered
+from zaya.resilience.signatures import _RULES, _SEPARATORS, COURSE, _triggered
 
 
 def text(block: str) -> str:
@@ -511,11 +511,12 @@ def test_each_signature(expected, line):
 
 
 def test_every_rule_has_a_sample():
+    """The rules of a run's course have theirs in test_diagnose_course.py."""
     matched = set()
     for _, line in RULE_SAMPLES:
         rule, _ = _Classifier._match(_triggered(line.lower()), line)
         matched.add(_RULES.index(rule))
-    assert [rule.regex.pattern for i, rule in enumerate(_RULES) if i not in matched] == []
+    assert [rule.regex.pattern for i, rule in enumerate(_RULES) if i not in matched and rule.root not in COURSE] == []
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -82,3 +82,7 @@ def test_torchrun_commands_are_resized():
     assert resized[3:6] == ["--nnodes=1:1", "--nproc_per_node", "7"] and resized[6:] == command.argv[6:]
     plain = WorkerCommand([sys.executable, "-m", "zaya.cli", "train", "x.toml"])
     assert not plain.torchrun and plain.resized(1, 1) == plain.argv
+    # torchrun run by `zaya launch`: its options follow the two words that name it
+    launched = WorkerCommand([sys.executable, "-m", "zaya.cli", "launch", "--nproc-per-node", "8", "train", "x.toml"])
+    assert launched.torchrun and launched.nproc_per_node() == 8
+    assert launched.resized(7, 1) == [*launched.argv[:4], "--nnodes", "1", "--nproc-per-node", "7", "train", "x.toml"]

@@ -1,5 +1,5 @@
-"""The worker command the supervisor runs: plain `zaya train ...` or `torchrun ... zaya train ...`, and how it
-is rewritten to run on fewer GPUs or nodes.
+"""The worker command the supervisor runs: plain `zaya train ...`, or `torchrun ... zaya train ...` (also as
+`zaya launch ... train ...`, torchrun run by zaya), and how it is rewritten to run on fewer GPUs or nodes.
 
     torchrun --nnodes 2 --nproc-per-node 8 ...   cordon GPU 3 -> --nproc-per-node 7, visible GPUs 0-2,4-7
                                                  cordon a node -> --nnodes 1 (an elastic "1:2" -> "1:1")
@@ -28,11 +28,19 @@ NPROC_NAMES = ("auto", "cpu", "gpu", "xpu")  # torchrun's names for "as many as 
 _NUMBER = re.compile(r"[0-9]{1,6}")
 
 
-def _is_torchrun(argv: list[str]) -> bool:
+def _launcher_words(argv: list[str]) -> int:
+    """How many words name the launcher before torchrun's options (`torchrun`, `python -m torch.distributed.run`,
+    `zaya launch`, `python -m zaya.cli launch`); 0 for a command of no launcher."""
     name = Path(argv[0]).name
     if name == "torchrun":
-        return True
-    return name.startswith("python") and argv[1:3] == ["-m", "torch.distributed.run"]
+        return 1
+    if name == "zaya" and argv[1:2] == ["launch"]:
+        return 2
+    if name.startswith("python") and argv[1:3] == ["-m", "torch.distributed.run"]:
+        return 3
+    if name.startswith("python") and argv[1:4] == ["-m", "zaya.cli", "launch"]:
+        return 4
+    return 0
 
 
 def _find(argv: list[str], names: tuple[str, ...]) -> tuple[int, str | None, bool]:
@@ -86,11 +94,12 @@ class WorkerCommand:
 
     @property
     def torchrun(self) -> bool:
-        return _is_torchrun(self.argv)
+        """Whether torchrun starts the workers (itself, or run by `zaya launch`)."""
+        return _launcher_words(self.argv) > 0
 
     @property
     def _options_at(self) -> int:
-        return 3 if Path(self.argv[0]).name.startswith("python") else 1  # after `torchrun`, `python -m ...`
+        return _launcher_words(self.argv)
 
     def nproc_per_node(self) -> int | None:
         """The processes per node as a number (None for a plain command or torchrun's "gpu"/"auto")."""

@@ -16,7 +16,19 @@ the one line that is:
     nan       a non-finite loss or gradient, or a loss scaler at its floor
     storage   an I/O error, a full or read-only or stale file system, a lost network file server
     python    an ordinary exception in user code: the exception line that ends a traceback, or `zaya: error`
+    stopped   a stop on purpose, not a failure: the trainer's "stopping at step N on SIGTERM: checkpoint step
+              N is committed" (a signal, Ctrl-C, train.max_time_s: resumable), or a signal from outside
+              (Ctrl-C's KeyboardInterrupt and `zaya: aborted`, torchrun's `SignalException` and "death
+              signal", `zaya launch`'s line)
+    completed the run reached its end: the trainer's "finished at step N", or `zaya train`'s "done:" line
     unknown   nothing above was found (the cascade lines, if any, are still listed)
+
+A run's own log (RUN/train.log, or what `zaya train` printed) tells its course, which a log of one incident does
+not: every start ("training on ..."), its steps, and how it ended. The last end (completed, or stopped with a
+checkpoint) is the diagnosis unless an attempt started after it or something failed after it: what failed
+before it is history (a run that skipped a NaN step and went on to finish has finished). A log whose last
+start has no end and no failure after it is `unknown`, said as such: still running, or killed without a word
+(SIGKILL, the OOM killer).
 
 Everything that merely follows from a failure elsewhere is a *cascade* line: NCCL/RCCL watchdog timeouts and
 aborts, torchrun's failure summaries and signals, peers resetting connections, TCPStore and gloo errors,
@@ -64,8 +76,14 @@ from zaya.resilience.signatures import (
     _RULES,
     _TRACEBACK,
     _ZAYA,
+    COMPLETED,
+    COURSE,
     IB_WC_STATUS,
+    PROGRESS,
     SECONDARY_XIDS,
+    START,
+    STOP_SIGNAL,
+    STOPPED,
     XID_MEANINGS,
     _Hit,
     _Rule,
@@ -86,7 +104,8 @@ __all__ = [
     "log_lines",
 ]
 
-ROOT_CLASSES = ("gpu_xid", "gpu_ecc", "gpu_hang", "nic", "pcie", "oom", "nan", "storage", "python", "unknown")
+ROOT_CLASSES = ("gpu_xid", "gpu_ecc", "gpu_hang", "nic", "pcie", "oom", "nan", "storage", "python", "stopped",
+                "completed", "unknown")
 
 MAX_CASCADE = 20  # cascade lines kept verbatim; all of them are counted
 _MAX_CANDIDATES_PER_SOURCE = 64  # the first root lines of each input; later ones cannot be the earliest there
@@ -198,6 +217,11 @@ _IBSTAT_PORT = re.compile(r"^\s+Port (\d+):")
 _FRAME = re.compile(r'^\s+File "[^"]*", line \d+')
 _EXCEPTION_LINE = re.compile(r"^(?P<name>(?:[A-Za-z_]\w*\.)*[A-Z]\w*)(?::(?P<msg>.*))?$")
 _EXCEPTION_SUFFIXES = ("Error", "Exception", "Exit", "Interrupt", "Iteration", "Failure", "Fault", "Warning")
+# A run's log (zaya.train.log) ends a run that a bug ended with the exception's own line, without its traceback
+# (the command prints that): such a line is a root there, in a log whose lines carry the run log's stamp or after
+# a run's start line.
+_BUG_SUFFIXES = ("Error", "Exception", "Failure", "Fault")
+_RUN_LOG_STAMP = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ")
 
 
 @dataclass(frozen=True)
@@ -210,16 +234,21 @@ class _Candidate:
     source: str
     stamp: tuple | None
     secondary: bool
+    stop: bool = False  # a stop from outside (a signal, Ctrl-C), not a failure
 
 
 class _Classifier:
-    """Reads lines, one input after another, keeping root candidates and cascade lines."""
+    """Reads lines, one input after another, keeping root candidates, cascade lines and the run's course: where
+    its last attempt started, the last step it logged, and how its last end was (completed, stopped)."""
 
     def __init__(self):
         self.order = 0
         self.candidates: list[_Candidate] = []
         self.cascade: list[str] = []
         self.cascade_total = 0
+        self.start: _Candidate | None = None  # the last start line
+        self.end: _Candidate | None = None  # the last line of a run that completed or stopped with a checkpoint
+        self.step = ""  # the last step line's step
 
     def feed(self, lines: Iterable[str], source: str = "") -> None:
         """Classify every line of one input; `source` names it in the evidence's "file:lineno"."""
@@ -235,7 +264,9 @@ class _Classifier:
             head = line[:_MATCH_CHARS]
             # Most lines carry no keyword and no traceback is open: they cost one scan.
             triggered = _triggered(head.lower())
-            if not (triggered or tracebacks or frames or adapter) and 'File "' not in head \
+            run_bug = any(word in head for word in _BUG_SUFFIXES) and \
+                (self.start is not None or _RUN_LOG_STAMP.match(head) is not None)
+            if not (triggered or tracebacks or frames or adapter or run_bug) and 'File "' not in head \
                     and not head.startswith("CA '"):
                 continue
             body, rank, label, stamp = _strip_prefixes(head)
@@ -264,15 +295,27 @@ class _Classifier:
             if rule is not None and (rule.root == "cascade" or hit.cascade):
                 self._add_cascade(line)
                 continue
+            where = f"{source}:{lineno}" if source else ""
+            if rule is not None and rule.root in COURSE and rule.root != STOP_SIGNAL:
+                self._course(_Candidate(self.order, rule.root, clip(line), clip(hit.detail), "", where, stamp, False))
+                if rule.root in (COMPLETED, STOPPED):
+                    kept = {False: 0, True: 0}
+                continue
             candidate = None
             if rule is not None:
                 subject = hit.subject
                 if not subject and adapter and "State:" in body:
                     subject = f"ib:{adapter}"
                 candidate = (rule.root, hit.detail, subject or _rank_subject(rank, body), hit.secondary)
+                if rule.root == STOP_SIGNAL:
+                    candidate = (STOPPED, hit.detail, candidate[2], False)
             elif exception is not None:
                 name, message = exception
                 detail = f"uncaught {name}" + (f": {message}" if message else "")
+                candidate = ("python", detail, _rank_subject(rank, body), False)
+            elif run_bug and body[0] not in " \t" and (bug := _exception_line(body)) is not None \
+                    and bug[0].endswith(_BUG_SUFFIXES):
+                detail = f"the run ended on an uncaught {bug[0]}" + (f": {bug[1]}" if bug[1] else "")
                 candidate = ("python", detail, _rank_subject(rank, body), False)
             elif _ZAYA in triggered and (m := _ZAYA_ERROR.match(body)) is not None:
                 subject = f"rank:{m.group('rank')}" if m.group("rank") else _rank_subject(rank, body)
@@ -286,7 +329,17 @@ class _Classifier:
                 if kept[secondary] < (1 if secondary else _MAX_CANDIDATES_PER_SOURCE):
                     kept[secondary] += 1
                     self.candidates.append(_Candidate(self.order, root, clip(line), clip(detail), clip(subject),
-                                                      f"{source}:{lineno}" if source else "", stamp, secondary))
+                                                      where, stamp, secondary, rule is not None and root == STOPPED))
+
+    def _course(self, mark: _Candidate) -> None:
+        """A line of the run's course. A run's end (completed, stopped with a checkpoint) is what its log says
+        unless something fails after it: the roots before it are history, forgotten."""
+        if mark.root == START:
+            self.start, self.step = mark, ""
+        elif mark.root == PROGRESS:
+            self.step = mark.detail.removeprefix("step ")
+        else:
+            self.end, self.candidates = mark, []
 
     @staticmethod
     def _match(triggered: tuple[int, ...], body: str) -> tuple[_Rule | None, _Hit | None]:
@@ -316,11 +369,25 @@ class _Classifier:
     def result(self) -> Diagnosis:
         """The diagnosis of everything fed so far."""
         cascade = list(self.cascade)
+        end, start = self.end, self.start
+        # the run's last end stands if no attempt started after it and nothing failed since (a stop signal after
+        # it is the launcher's echo of the one it stopped on)
+        if end is not None and (start is None or start.order < end.order) and \
+                all(c.stop for c in self.candidates):
+            return Diagnosis(end.root, end.line, end.detail, cascade, end.source, "", self.cascade_total)
         candidates = [c for c in self.candidates if not c.secondary] or self.candidates
         if not candidates:
-            detail = (f"only consequences of a failure elsewhere ({self.cascade_total} cascade line(s)); the cause "
-                      "is in another log: another rank's, or the kernel log" if self.cascade_total
-                      else "no known failure signature in the logs")
+            if self.cascade_total:
+                detail = (f"only consequences of a failure elsewhere ({self.cascade_total} cascade line(s)); the "
+                          "cause is in another log: another rank's, or the kernel log")
+            elif start is not None:
+                at = f" at {start.source}" if start.source else ""
+                steps = f"; its last step logged is {self.step}" if self.step else "; no step logged"
+                detail = (f"the run's last start{at} has no end line and no known failure after it{steps}: it is "
+                          "still running, or was ended from outside without a word (SIGKILL, the kernel's OOM "
+                          "killer: see the kernel log)")
+            else:
+                detail = "no known failure signature in the logs"
             return Diagnosis("unknown", "", detail, cascade, cascade_total=self.cascade_total)
         keys = [_stamp_key(c.stamp) for c in candidates]
         kinds = {key[0] if key else None for key in keys}

@@ -4,8 +4,8 @@ The log classifier, the probes, the heartbeat watcher and the trainer's training
 type, so the policy can match any of them by `signal` and act on its `subject`:
 
     signal    the class of the fact: a root class of `zaya diagnose` (gpu_xid, gpu_ecc, gpu_hang, nic, pcie,
-              oom, nan, storage, python, unknown) or a watcher's own (hang, crash, loss_spike, straggler,
-              nic_flap, disk_low)
+              oom, nan, storage, python, and stopped, completed or unknown where no failure was found) or a
+              watcher's own (hang, crash, loss_spike, straggler, nic_flap, disk_low)
     subject   what it concerns: "gpu:3" (a local GPU index), "node:NAME", "nic:eth0", "ib:mlx5_0/1",
               "rank:1", "path:/ckpt", or "" when it is the whole job
     line      the evidence, verbatim (a log line, a counter reading, a heartbeat age)

@@ -42,7 +42,8 @@ TRAINING_ACTIONS = ("skip_step", "rollback")  # decided inside the trainer, for 
 TRAINING_SIGNALS = ("nan", "loss_spike", "straggler", "expert_collapse")
 SIGNALS = (
     # root classes of `zaya diagnose`
-    "gpu_xid", "gpu_ecc", "gpu_hang", "nic", "pcie", "oom", "nan", "storage", "python", "unknown",
+    "gpu_xid", "gpu_ecc", "gpu_hang", "nic", "pcie", "oom", "nan", "storage", "python", "stopped", "completed",
+    "unknown",
     # the watchers' own
     "hang", "gpu_lost", "nic_flap", "disk_low", "loss_spike", "straggler", "expert_collapse",
 )
@@ -104,7 +105,9 @@ class TrainingSettings:
     # a MoE layer's busiest expert above this many times the mean expert load (at most the number of experts:
     # a layer whose every token goes to one expert) ...
     collapse_ratio: float = 3.0
-    collapse_steps: int = 20  # ... in this many steps in a row (early in a real run; a short trial is left alone)
+    # ... in the load averaged over this many steps (judged from the step this many steps after the start on):
+    # one step's load swings from expert to expert while the biases and the routers settle
+    collapse_steps: int = 20
 
 
 @dataclass(frozen=True)

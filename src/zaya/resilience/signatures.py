@@ -241,16 +241,81 @@ _ERRNO_NAMES = {"EIO": "input/output error", "ENOSPC": "no space left on device"
                 "EDQUOT": "disk quota exceeded", "EROFS": "read-only file system"}
 
 
+# ---- the run's course --------------------------------------------------------------------------------
+
+# What `zaya train` itself says of its course (zaya.train.stops, zaya.cli, zaya.launcher), which tells a run
+# that ended well, or was stopped on purpose, from one that failed. Not roots of a failure: the classifier
+# weighs them against the failures around them (zaya.resilience.diagnose).
+START, PROGRESS, COMPLETED, STOPPED, STOP_SIGNAL = "start", "progress", "completed", "stopped", "stop_signal"
+COURSE = (START, PROGRESS, COMPLETED, STOPPED, STOP_SIGNAL)
+EXIT_STOPPED_EARLY = 75  # zaya.errors.EXIT_PREEMPTED: this module imports nothing of zaya's
+
+
+def _signal_name(text: str) -> str:
+    """`SIGINT` for "2", "SIGINT" or "Signals.SIGINT"; the text itself for anything else."""
+    import signal
+
+    name = text.rsplit(".", 1)[-1]
+    if name.isdigit():
+        try:
+            return signal.Signals(int(name)).name
+        except ValueError:
+            return f"signal {name}"
+    return name
+
+
+def _by(sig: str) -> str:
+    return f"{sig} (Ctrl-C)" if sig == "SIGINT" else sig
+
+
+def _stopped(m: re.Match, body: str) -> _Hit:
+    step, why = m.group("step"), m.group("why")
+    if "nothing was trained yet" in body:
+        return _Hit(f"the run stopped on {_by(why)} before its first step (exit code {EXIT_STOPPED_EARLY})")
+    return _Hit(f"the run stopped at step {step} on {_by(why)} with a checkpoint of that step (exit code "
+                f"{EXIT_STOPPED_EARLY}): the same command resumes it")
+
+
+def _signalled(m: re.Match, body: str) -> _Hit:
+    sig = _signal_name(m.group("sig"))
+    return _Hit(f"the launcher got {_by(sig)} and passed it on to its workers (`zaya train` stops after its step "
+                f"with a checkpoint when given the time: see its own lines; exit code {128 + _number(sig)})")
+
+
+def _number(name: str) -> int:
+    import signal
+
+    return getattr(signal, name, signal.SIGTERM).value
+
+
+_ABORTED = ("aborted by Ctrl-C (exit code 130): the steps since the last committed checkpoint are lost, and the "
+            "same command resumes from it")
+
 def _R(root: str, keywords: str, pattern: str, describe=None, *, lower: bool = False) -> _Rule:
     # `lower`: the pattern is written in lower case and searched in the lowercased line, which is cheaper
     # than re.IGNORECASE and keeps the literal-prefix search of the regex engine.
     return _Rule(root, tuple(keywords.split("|")), re.compile(pattern), describe, lower)
 
 
-# In priority order: a line is the first rule's that matches it, and every root rule comes before every
-# cascade rule. Hardware before software (a CUDA error quoting an ECC failure is gpu_ecc, not oom or
-# python), PCIe before NIC (a hot-plug "Link Down" is a slot).
+# In priority order: a line is the first rule's that matches it; the run's course (zaya's own lines) first, and
+# every root rule before every cascade rule. Hardware before software (a CUDA error quoting an ECC failure is
+# gpu_ecc, not oom or python), PCIe before NIC (a hot-plug "Link Down" is a slot).
 _RULES: tuple[_Rule, ...] = (
+    # the run's course
+    _R(START, "training", r"^training on \S+ \(", _fixed("the run started")),  # the first line of every start
+    _R(PROGRESS, "step", r"^step (?P<step>[\d,]+)/[\d,]+ \|", _fixed("step {step}")),
+    _R(COMPLETED, "finished", r"^finished at step (?P<step>[\d,]+): the run is complete",
+       _fixed("the run finished at step {step} (exit code 0)")),
+    _R(COMPLETED, "done", r'^done: \{.*?"step": (?P<step>\d+)',
+       _fixed("the run finished at step {step} (exit code 0)")),
+    _R(STOPPED, "stopping", r"^stopping at step (?P<step>[\d,]+) on (?P<why>.+?)(?: \(train\.max_time_s = [^)]*\))?: "
+       r"(?:checkpoint step [\d,]+ is committed|nothing was trained yet)", _stopped),
+    _R(STOPPED, "stopped", r"^stopped at step (?P<step>[\d,]+) \((?P<why>[^)]*)\); exit code ", _stopped),
+    _R(STOP_SIGNAL, "aborted", r"^zaya: aborted\b|^aborted by a second Ctrl-C\b", _fixed(_ABORTED)),
+    _R(STOP_SIGNAL, "keyboardinterrupt", r"^KeyboardInterrupt\s*$", _fixed(_ABORTED)),
+    _R(STOP_SIGNAL, "signalexception", r"SignalException: Process \d+ got signal: (?P<sig>[\w.]+)", _signalled),
+    _R(STOP_SIGNAL, "death", r"Received (?P<sig>[\w.]+) death signal, shutting down workers", _signalled),
+    _R(STOP_SIGNAL, "launch", r"^zaya launch: (?P<sig>SIG[A-Z0-9]+): passed on to the workers", _signalled),
     # gpu_xid: NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus.
     # (the address may carry a function and, on MIG, " GPU-I:nn GPU-CI:nn"; old drivers omit "PCI:")
     _R("gpu_xid", "xid", r"NVRM: Xid \((?:PCI:)?(?P<pci>" + _PCI_DEV + r")[^)]*\):\s*(?P<code>\d+)", _xid),

@@ -3,15 +3,19 @@ to RUN_DIR/train.log; every other rank appends its own to RUN_DIR/logs/rank-R.lo
 
 A logged step's line (`step_line`) always goes to train.log, and to the screen only where there is no progress
 bar (the output is not a terminal: a batch job, `nohup`, a redirect), so that such a log shows the run's
-course without `metrics.jsonl`.
+course without `metrics.jsonl`. An error that ends the run ends its log too, in the line the command prints
+(`zaya: error: ...`, or the exception of a bug), so that the log alone says how the run ended.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
+from zaya.errors import ZayaError
 from zaya.run_dir import LOG_FILE, RANK_LOG, open_append
 
 
@@ -47,6 +51,22 @@ class RunLog:
         if self.run_dir.is_dir():
             with open_append(self.run_dir / LOG_FILE) as handle:
                 handle.write(stamped)
+
+    @contextlib.contextmanager
+    def failures(self) -> Iterator[None]:
+        """Whatever error leaves the block is written to the log (not to the screen: the command prints it) once
+        the run directory exists, and raised on. An interrupt or an exit is no error."""
+        try:
+            yield
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except ZayaError as exc:
+            self(f"zaya: error: {exc}", show=False)
+            raise
+        except BaseException as exc:
+            first = str(exc).strip().splitlines()[:1]
+            self(f"{type(exc).__name__}{f': {first[0]}' if first else ''}", show=False)
+            raise
 
 
 def step_line(row: dict, end_step: int, eta_seconds: float | None) -> str:

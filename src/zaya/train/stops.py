@@ -6,8 +6,11 @@ resumes with nothing lost; a time budget times the learning-rate decay.
                           passing on its own SIGTERM): the current step finishes, a checkpoint is written,
                           exit 75. More of them change nothing: a scheduler signals every process of the
                           job and torchrun passes its copy on, so duplicates are the rule. Whoever cannot
-                          wait sends SIGKILL (SIGINT, Ctrl-C, still interrupts at once); the last committed
-                          checkpoint is intact either way, as commits are atomic.
+                          wait sends SIGKILL; the last committed checkpoint is intact, as commits are atomic.
+    SIGINT (Ctrl-C)       once the training loop runs, the same as SIGTERM, said at once; a second one aborts
+                          there and then (KeyboardInterrupt: exit 130, the last committed checkpoint kept).
+                          Before the loop (start-up, loading) Ctrl-C aborts as anywhere else, and a SIGINT
+                          that the process inherited ignored (a background job) stays ignored.
     train.max_time_s      a wall-clock limit counted from the job's start (`time_origin`): the run stops
                           when the time left no longer covers one more step and a checkpoint (the slowest
                           recent step, the last save's duration), also with exit 75.
@@ -36,22 +39,28 @@ from zaya.train.config import TrainSection
 from zaya.train.stats import StepStats
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+INTERRUPT_SAID = "stopping after this step with a checkpoint (Ctrl-C again to abort now)"
 _RECENT = 10  # steps whose times estimate the next one's
 _REPLAN_RECENT = 3  # steps whose times re-plan a timed decay's end
 
 
 class StopRequest:
-    """Catches SIGTERM and SIGUSR1 while training and records the first. Inert outside the main thread
-    (Python delivers signals to it alone), where it cannot install handlers.
+    """Catches SIGTERM and SIGUSR1 while training (and SIGINT, once `catch_interrupts` is called at the training
+    loop's start) and records the first. Inert outside the main thread (Python delivers signals to it alone),
+    where it cannot install handlers.
 
     A process blocked where no step ends (a read that never returns, a collective whose peers are gone) would
     never act on the request: `grace_s` after the first signal it exits at once with 128 + the signal, saying so
     (the handler runs even then: Python retries an interrupted call only after it). Later signals change
-    nothing: a worker may get the same one from the scheduler and from torchrun."""
+    nothing (a worker may get the same one from the scheduler and from torchrun), but a SIGINT after the request:
+    a person pressed Ctrl-C twice and wants out now, so it raises KeyboardInterrupt where the process stands
+    (`say` records that). `announce`: this process tells the person at the terminal (rank 0)."""
 
-    def __init__(self, grace_s: float = 0.0) -> None:
+    def __init__(self, grace_s: float = 0.0, *, announce: bool = True,
+                 say: Callable[[str], None] | None = None) -> None:
         self.signal: signal.Signals | None = None
-        self.grace_s = grace_s
+        self.grace_s, self.announce, self.say = grace_s, announce, say
+        self.aborted = False  # a second Ctrl-C raised KeyboardInterrupt
         self._previous: dict[int, object] = {}
         self._deadline: threading.Timer | None = None
 
@@ -63,12 +72,32 @@ class StopRequest:
             self._previous.clear()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, value, traceback) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
         if self._deadline is not None:
             self._deadline.cancel()
+        if self.aborted and kind is KeyboardInterrupt and self.say is not None:
+            self.say("aborted by a second Ctrl-C (SIGINT): the step in progress is lost; the last committed "
+                     "checkpoint is kept, and the same command resumes from it")
+
+    def catch_interrupts(self) -> None:
+        """From now on until the exit, SIGINT is a stop request too. Only where it has Python's own meaning
+        (KeyboardInterrupt): one the process inherited ignored stays so, and a handler of someone else's stays."""
+        if self._previous and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
+
+    def _on_interrupt(self, signum: int, frame) -> None:
+        if self.signal is None:
+            if self.announce:  # a write(2) at once: a handler must not re-enter a `print` it interrupted
+                below = "\n" if os.isatty(2) else ""  # below the terminal's ^C (or a progress bar)
+                os.write(2, f"{below}zaya: {INTERRUPT_SAID}\n".encode())
+            self._on_signal(signum, frame)
+            return
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a third Ctrl-C interrupts the clean-up
+        self.aborted = True
+        raise KeyboardInterrupt
 
     def _on_signal(self, signum: int, frame) -> None:
         if self.signal is not None:  # the same request again (Slurm and torchrun both pass signals on)
@@ -201,7 +230,7 @@ class StopRules:
         self.origin, self.clock_now = origin, clock  # train.max_time_s counts from `origin` by `clock`
         self.is_main, self.say = is_main, say
         self.clock = Clock()
-        self.request = StopRequest(train.stop_grace_s)
+        self.request = StopRequest(train.stop_grace_s, announce=is_main, say=say)
         self.stopped: str | None = None  # why the run stopped before its end, if it did
         self.last_seconds = 0.0  # rank 0's time of the step before, sent with the next step's statistics
         self.last_batch = 0  # that step's global batch (the same on every rank)
@@ -290,6 +319,11 @@ class StopRules:
         """Must the run stop now to leave a checkpoint before train.max_time_s (by this process's clock)?"""
         clock = StepClock(self.clock.step_times, self.clock.save_seconds)
         return deadline_reached(self.train.max_time_s, self.origin, clock, now=self.clock_now())
+
+    def finish(self, step: int) -> None:
+        """The run reached its end at `step` (it did not stop early): said in the log, which `zaya diagnose` reads."""
+        spent = " (its time budget is spent)" if step < self.train.max_steps else ""
+        self.say(f"finished at step {step}: the run is complete{spent}")
 
     def stop(self, reason: str, step: int, committed: bool) -> None:
         """The run stops early with its checkpoint of `step` committed (or with nothing trained yet): say why and

@@ -14,8 +14,8 @@ One optimizer step:
     optimizer.step() (not taken if the norm is not finite);  balancing controller.update(global counts)
     the training signals: a loss spike rolls back to the last checkpoint (zaya.train.signals)
     phase switch once its token budget is spent (a new mesh if its cp differs);  metrics;  eval;  checkpoint
-    a stop request (SIGTERM, SIGUSR1, train.max_time_s) ends the run after the step with a checkpoint and exit
-    code 75; a time budget times the decay (zaya.train.stops)
+    a stop request (SIGTERM, SIGUSR1, Ctrl-C, train.max_time_s) ends the run after the step with a checkpoint
+    and exit code 75; a time budget times the decay (zaya.train.stops)
 
 The trainer is composed of objects that own their state: the curriculum (`Curriculum`), the stop rules
 (`StopRules`), the training signals (`TrainingSignals`), the metrics (`MetricsLogger`) and the balancing
@@ -171,8 +171,7 @@ class Trainer:
         self._init_seconds = self.setup.timer() - started
 
     def _open_metrics(self) -> None:
-        """The metrics logger, with its W&B sink when `logging.wandb` asks for one: a W&B run rank 0 cannot open
-        stops every rank, not rank 0 alone."""
+        """The metrics logger, and its W&B sink if `logging.wandb`: one rank 0 cannot open stops every rank."""
         train, logging = self.config.train, self.config.logging
         sink, failure = None, None
         if self.launch.is_main:
@@ -406,10 +405,9 @@ class Trainer:
     # ---- the run ----------------------------------------------------------------------------------------
 
     def run(self) -> dict:
-        """Train to `train.max_steps` (or the end of a timed decay); returns the last metrics row. A stop request
-        (`zaya.train.stops`) ends it early with a checkpoint and sets `stopped`."""
+        """Train to the end; returns the last metrics row. A stop request (`zaya.train.stops`) sets `stopped`."""
         try:
-            with self.stops.request:
+            with self.stops.request, self.log.failures():  # an error that ends the run ends its log too
                 self._build()
                 if self.launch.is_main:
                     self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -441,6 +439,7 @@ class Trainer:
         if self._stop_at_start():
             self.hooks("done", self.progress.step)
             return last
+        self.stops.request.catch_interrupts()  # from here on, Ctrl-C stops after the step with a checkpoint
         while self.progress.step < self.stops.end_step():
             self.hooks("step", self.progress.step)  # before the step's clocks: a listener's I/O is not its time
             # no synchronize: the step reads the device once, and the work it leaves queued (its optimizer
@@ -485,8 +484,10 @@ class Trainer:
                 break
         self.manager.wait()
         self.hooks("done", self.progress.step)
-        if not self.stopped and self.setup.report_plots is not None:
-            self.metrics.finish(lambda: self.setup.report_plots(self.run_dir))  # the report's plots to W&B
+        if not self.stopped:
+            self.stops.finish(self.progress.step)
+            if self.setup.report_plots is not None:
+                self.metrics.finish(lambda: self.setup.report_plots(self.run_dir))  # the report's plots to W&B
         return last
 
     def _announce(self) -> None:
@@ -520,8 +521,7 @@ class Trainer:
                                          "positions": as_ranges(self.curriculum.loader.last_positions)}) + "\n")
 
     def _stop_at_start(self) -> bool:
-        """A resumed run that has no time left for one step and a checkpoint stops before its first step (rank
-        0's clock decides, for all)."""
+        """A resumed run with no time left for a step and a checkpoint stops before its first (rank 0 decides)."""
         if not self.config.train.max_time_s:
             return False
         flag = torch.tensor(float(self.launch.is_main and self.stops.deadline()), dtype=torch.float64,
