@@ -194,3 +194,39 @@ def test_zaya_report_prints_the_summary_aligned(tmp_path, capsys):
 def test_format_text_without_evaluations_has_no_evaluation_table():
     text = format_text(summarize(_rows()))
     assert "evaluations" not in text and text.splitlines()[0].split() == ["steps", "20"]
+
+
+# ---- a rerun's evaluations --------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_evaluated_again_has_one_row_per_task_metric_and_step(tmp_path):
+    from zaya.evals.records import append_record, heldout_record, lm_eval_record
+
+    run = _run_dir(tmp_path)
+    (run / "evals.jsonl").unlink()
+    hellaswag = {"results": {"hellaswag": {"acc,none": 0.25, "acc_stderr,none": 0.01}}}
+    # `make demo` twice: the second `zaya train` has nothing to do, and `zaya eval` records the same checkpoint again
+    for _ in range(2):
+        append_record(run, heldout_record("runs/x", 20, "val", 256, 3.9, data="data/stdlib"))
+        append_record(run, lm_eval_record("runs/x", 20, hellaswag, 0, 100, "evals/a.json"))
+    # the same evaluation of a checkpoint with other weights at that step (a rollback retrained it): the newest
+    append_record(run, heldout_record("runs/x/checkpoints/step_00000020", 20, "val", 256, 3.8, data="data/stdlib"))
+    # other evaluations of that checkpoint stay rows of their own: another dataset, batches, shots
+    append_record(run, heldout_record("runs/x", 20, "val", 256, 4.5, data="data/chats"))
+    append_record(run, heldout_record("runs/x", 20, "val", 256, 3.7, data="data/stdlib", max_batches=8))
+    append_record(run, lm_eval_record("runs/x", 20, hellaswag, 5, 100, "evals/b.json"))
+    assert len(read_evals(run)) == 8
+    assert [row[:2] + row[3:] for row in eval_rows(build_report(run).summary)] == [
+        ("hellaswag (0-shot, limit 100)", "acc", "20"),
+        ("held-out stdlib val (seq 256)", "loss", "20"),
+        ("held-out stdlib val (seq 256)", "ppl", "20"),
+        ("held-out chats val (seq 256)", "loss", "20"),
+        ("held-out chats val (seq 256)", "ppl", "20"),
+        ("held-out stdlib val (seq 256, 8 batches)", "loss", "20"),
+        ("held-out stdlib val (seq 256, 8 batches)", "ppl", "20"),
+        ("hellaswag (5-shot, limit 100)", "acc", "20"),
+    ]
+    assert dict(((task, metric), value) for task, metric, value, _ in eval_rows(summarize([], read_evals(run))))[
+        ("held-out stdlib val (seq 256)", "loss")] == "3.800"
+    page = (run / "report" / "index.html").read_text()
+    assert page.count("held-out stdlib val (seq 256)<") == 2 and page.count("hellaswag (0-shot, limit 100)<") == 1

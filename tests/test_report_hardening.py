@@ -109,7 +109,7 @@ def test_evaluation_records_of_the_wrong_type_are_skipped_and_the_rest_shown(tmp
     good = {"time": 1.0, "step": 2, "kind": "heldout", "split": "val", "seq_len": 16, "loss": 3.0, "ppl": 20.0}
     bad = [{"time": "yesterday"}, {"step": 10**400}, {"limit": 10**400}, {"tasks": {"hellaswag": 0.5}}]
     run = _run(tmp_path, [_row(1)])
-    (run / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [good, *bad, good]))
+    (run / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [good, *bad, {**good, "step": 3}]))
     log = logs.read_evals_log(run)
     results = summarize([], log.rows).evals
     assert [(result.task, result.metric) for result in results] == [("held-out val (seq 16)", "loss"),

@@ -14,7 +14,7 @@ from zaya.evals.records import run_dir_of, task_metrics
 
 TASKS = Path(__file__).parent / "tasks"
 LM_EVAL_KEYS = {"time", "step", "model", "kind", "tasks", "num_fewshot", "limit", "results_file"}
-HELDOUT_KEYS = {"time", "step", "model", "kind", "split", "seq_len", "loss", "ppl"}
+HELDOUT_KEYS = {"time", "step", "model", "kind", "data", "split", "seq_len", "max_batches", "loss", "ppl"}
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -74,6 +74,7 @@ def test_eval_data_keeps_its_json_and_records_a_heldout_line(cli, trained_run, d
     record = _records(trained_run)[-1]
     assert set(record) == HELDOUT_KEYS
     assert (record["kind"], record["step"], record["split"], record["seq_len"]) == ("heldout", 30, "val", 16)
+    assert (record["data"], record["max_batches"]) == (str(dataset_dir), 2)  # what was evaluated, for the report
     assert record["loss"] == result["loss"] and record["ppl"] == pytest.approx(result["perplexity"])
 
 

@@ -1,13 +1,14 @@
 """A model fine-tuned on chats keeps its chat template: its checkpoint knows it, `zaya generate --chat` prompts with
 it, and an export's tokenizer_config.json carries it, so that transformers' `apply_chat_template` gives the ids
-zaya trained on."""
+zaya trained on; its generation_config.json lists the end-of-turn id, so that transformers' `generate` stops where
+`zaya generate --chat` does."""
 
 import json
 
 import pytest
 import torch
 from tokenizers import Tokenizer
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import zaya
 from runs import build_chat_dataset, make_chats, write_config
@@ -30,11 +31,12 @@ HEADER_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def fine_tuned(tmp_path_factory):
-    """(chat dataset, run directory, its HF export) of a short run on chats."""
+    """(chat dataset, run directory, its HF export) of a short run on chats: long enough that the model answers
+    with a few bananas and ends its turn (its logits at the end of a reply favour <|im_end|> by 1-2)."""
     root = tmp_path_factory.mktemp("chat-run")
     data = build_chat_dataset(root, count=200)
-    config = write_config(root / "run.toml", data, train={"max_steps": 2, "eval_every": 0},
-                          checkpoint={"every": 2, "keep": 1})
+    config = write_config(root / "run.toml", data, train={"max_steps": 12, "eval_every": 0},
+                          checkpoint={"every": 12, "keep": 1}, logging={"log_every": 100})
     build_trainer(load_config(config), root / "run").run()
     assert zaya.convert(root / "run", root / "hf") == "zaya->hf"
     return data, root / "run", root / "hf"
@@ -91,6 +93,9 @@ def test_a_template_with_a_bos_token_renders_alike(fine_tuned, tmp_path):
     for messages in make_chats(5):
         assert theirs.apply_chat_template(messages, tokenize=True, return_dict=False) == _zaya_ids(
             HEADER_TEMPLATE, tokenizer, messages)
+    # a reply ends at the template's <|eot_id|> as well as at the end of the document
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [theirs.eos_token_id, tokenizer.token_to_id("<|eot_id|>")]
 
 
 def test_generate_chat_on_the_run_and_on_an_imported_export(fine_tuned, tmp_path, cli):
@@ -105,3 +110,44 @@ def test_generate_chat_on_the_run_and_on_an_imported_export(fine_tuned, tmp_path
         code, out, err = cli("generate", "--model", where, "--chat", "--prompt", "hi", "--output", "ids",
                              "--max-new-tokens", "5")
         assert code == 0 and out.strip() == ",".join(map(str, expected)), err
+
+
+MAX_NEW = 32  # the fine-tuned model ends its replies after 1-5 tokens
+
+
+def test_a_chat_export_stops_in_transformers_where_zaya_generate_chat_stops(fine_tuned, cli):
+    _, run, hf = fine_tuned
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.eos_token == "<eos>"  # the template's `eos_token` and the end of a document, as trained
+    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == [tokenizer.eos_token_id,
+                                                                                       end_of_turn]
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, trust_remote_code=False).eval()
+    assert type(model).__module__.startswith("transformers.models.zaya")  # transformers' own class
+    for question in ("what is a banana?", "alpha def omega kappa"):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=False)
+        theirs = model.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False)[0, prompt.shape[1]:].tolist()
+        assert theirs[-1] == end_of_turn and end_of_turn not in theirs[:-1] and len(theirs) < MAX_NEW, theirs
+        assert "<|im_end|>" not in tokenizer.decode(theirs, skip_special_tokens=True)
+        for where in (run, hf):
+            code, out, err = cli("generate", "--model", where, "--chat", "--prompt", question, "--output", "ids",
+                                 "--max-new-tokens", str(MAX_NEW))
+            assert code == 0, err
+            assert [int(i) for i in out.strip().split(",")] == theirs, where
+
+
+def test_an_export_whose_template_ends_turns_with_eos_or_cannot_be_read_keeps_one_eos(fine_tuned, tmp_path):
+    data, run, _ = fine_tuned
+    model = zaya.load_model(run, device="cpu")
+    tokenizer = open_dataset(data).tokenizer_path
+    templates = {"eos": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}",
+                 "unreadable": "{{ raise_exception('no chats here') }}"}
+    for name, template in templates.items():
+        source = tmp_path / name
+        source.mkdir()
+        (source / "chat_template.jinja").write_text(template)
+        zaya.export_hf(model, tmp_path / f"hf-{name}", tokenizer=tokenizer, source=source)
+        generation = json.loads((tmp_path / f"hf-{name}" / "generation_config.json").read_text())
+        assert generation["eos_token_id"] == 1, name

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from zaya.errors import ZayaError
-from zaya.infer.generate import Sampling, distribution, generate, next_token
+from zaya.infer.generate import Sampling, decode_loop, distribution, generate, next_token
 
 
 def _greedy_without_cache(model, prompt, steps):
@@ -98,3 +98,17 @@ def test_bad_prompts_are_refused(make_model):
         Sampling(greedy=False, top_k=-1)
     with pytest.raises(ZayaError, match="repetition-penalty"):
         Sampling(repetition_penalty=0.0)
+
+
+def test_generation_stops_at_any_of_several_ids_and_a_finished_row_repeats_its_own():
+    script = [[5, 9, 3, 3], [5, 5, 7, 2]]  # row 0 ends at 9, row 1 at 7, one step later
+    logits = [torch.nn.functional.one_hot(torch.tensor([row[i] for row in script]), 16).float() for i in range(4)]
+    steps = iter(logits[1:])
+    out = decode_loop(logits[0], lambda token: next(steps), 10, Sampling(), None, eos_token_id=(9, 7))
+    assert out.tolist() == [[5, 9, 9], [5, 5, 7]]
+    steps = iter(logits[1:])
+    assert decode_loop(logits[0], lambda token: next(steps), 4, Sampling(), None, eos_token_id=[7]).tolist() == [
+        [5, 9, 3, 3], [5, 5, 7, 7]]
+    for bad in ([], [-1], ["9"], 2.0):
+        with pytest.raises(ZayaError, match="eos_token_id must be a token id"):
+            decode_loop(logits[0], lambda token: logits[1], 3, Sampling(), None, eos_token_id=bad)

@@ -5,10 +5,12 @@
     {"time": 1764620000.0, "step": 300, "model": "runs/tiny", "kind": "lm_eval",
      "tasks": {"hellaswag": {"acc": 0.31, "acc_norm": 0.35}}, "num_fewshot": null, "limit": 100,
      "results_file": "evals/lm_eval-step_00000300-20261201T120000.json"}
-    {"time": 1764620100.0, "step": 300, "model": "runs/tiny", "kind": "heldout", "split": "val",
-     "seq_len": 512, "loss": 2.91, "ppl": 18.4}
+    {"time": 1764620100.0, "step": 300, "model": "runs/tiny", "kind": "heldout", "data": "data/stdlib",
+     "split": "val", "seq_len": 512, "max_batches": null, "loss": 2.91, "ppl": 18.4}
 
-`step` is the checkpoint's training step (null for a model that has none, e.g. an imported HF directory).
+`step` is the checkpoint's training step (null for a model that has none, e.g. an imported HF directory). A
+record says what was evaluated as well as the result: evaluating a checkpoint again (a rerun of the same
+commands) appends another record of the same evaluation, and `zaya report` shows the newest of them.
 """
 
 from __future__ import annotations
@@ -87,10 +89,13 @@ def append_record(run_dir: Path, record: dict) -> Path:
     return path
 
 
-def heldout_record(model_path: str | Path, step: int | None, split: str, seq_len: int, loss: float) -> dict:
-    """The evals.jsonl line of a held-out loss evaluation (`zaya eval --data`)."""
-    return {"time": time.time(), "step": step, "model": str(model_path), "kind": "heldout", "split": split,
-            "seq_len": seq_len, "loss": loss, "ppl": math.exp(min(loss, 700.0))}
+def heldout_record(model_path: str | Path, step: int | None, split: str, seq_len: int, loss: float, *,
+                   data: str | Path | None = None, max_batches: int | None = None) -> dict:
+    """The evals.jsonl line of a held-out loss evaluation (`zaya eval --data`): of the dataset `data` (as given),
+    its first `max_batches` batches (None: the whole split)."""
+    return {"time": time.time(), "step": step, "model": str(model_path), "kind": "heldout",
+            "data": None if data is None else str(data), "split": split, "seq_len": seq_len,
+            "max_batches": max_batches, "loss": loss, "ppl": math.exp(min(loss, 700.0))}
 
 
 def lm_eval_record(model_path: str | Path, step: int | None, results: dict, num_fewshot: int | None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -214,18 +214,19 @@ def generate(
     max_new_tokens: int,
     sampling: Sampling | None = None,
     *,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
     decoder: CompiledDecoder | None = None,
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Continue each row of `prompt_ids` [B, T] by up to `max_new_tokens` tokens; returns [B, n].
 
-    Generation stops early once every row has produced `eos_token_id` (later positions of finished rows
-    repeat it). `on_token` receives each step's new tokens [B] as they are produced. With a `decoder` (a
-    `CompiledDecoder` of this model) the steps after the prompt run as one compiled graph each, on a cache of
-    fixed capacity; the tokens are the same. `allowed` [V] (bool), if given, marks the only ids that may be
-    produced (those a tokenizer can decode, say: `zaya.infer.vocab`).
+    Generation stops early once every row has produced `eos_token_id`, or one of its ids if it is several (a chat
+    model's end of turn and end of document, as transformers takes a list); later positions of a finished row
+    repeat the id it ended with. `on_token` receives each step's new tokens [B] as they are produced. With a
+    `decoder` (a `CompiledDecoder` of this model) the steps after the prompt run as one compiled graph each, on a
+    cache of fixed capacity; the tokens are the same. `allowed` [V] (bool), if given, marks the only ids that may
+    be produced (those a tokenizer can decode, say: `zaya.infer.vocab`).
 
     The prompt and its continuation must fit the model's `max_position_embeddings` (`check_length`).
     """
@@ -270,19 +271,21 @@ def decode_loop(
     sampling: Sampling,
     generator: torch.Generator | None,
     *,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
     prompt_ids: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The token loop of `generate` once the prompt's last logits [B, V] are known: pick a token (among the
-    `allowed` [V] ids, if given), stop at eos or after `max_new_tokens`, else `step(token)` for the next logits.
+    `allowed` [V] ids, if given), stop at eos (any of its ids) or after `max_new_tokens`, else `step(token)` for
+    the next logits.
     Returns the tokens [B, n]. The repetition penalty counts the `prompt_ids` [B, T] and the tokens picked.
 
     `agree` maps each picked token [B] to the one every process uses (a sharded decoder broadcasts one
     rank's choice, so that ranks whose logits differ in the last bit cannot drift apart)."""
     finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    stops = _stop_ids(eos_token_id, logits.device)
     seen = None
     if sampling.repetition_penalty != 1.0:
         seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
@@ -298,13 +301,14 @@ def decode_loop(
             token = agree(token)
         if seen is not None:
             seen.scatter_(1, token[:, None], True)
-        if eos_token_id is not None:
-            token = token.masked_fill(finished, eos_token_id)
-            finished |= token == eos_token_id
+        if stops is not None:
+            if out:
+                token = torch.where(finished, out[-1], token)
+            finished |= torch.isin(token, stops)
         out.append(token)
         if on_token is not None:
             on_token(token)
-        if i == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
+        if i == max_new_tokens - 1 or (stops is not None and bool(finished.all())):
             break
         logits = step(token)
     if bool(broken.any()):  # read once, here: each step stays free of host syncs
@@ -312,3 +316,13 @@ def decode_loop(
     if not out:
         return torch.zeros(logits.shape[0], 0, dtype=torch.long, device=logits.device)
     return torch.stack(out, dim=1)
+
+
+def _stop_ids(eos_token_id: int | Sequence[int] | None, device: torch.device) -> torch.Tensor | None:
+    """The ids generation stops at, as a tensor [S] (None: it does not stop early)."""
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if _integer(eos_token_id) else eos_token_id
+    if not isinstance(ids, Sequence) or not ids or not all(_integer(i) and 0 <= i <= MAX_TOKEN_ID for i in ids):
+        raise ZayaError(f"eos_token_id must be a token id or a non-empty list of them, got {shown(eos_token_id)}")
+    return torch.tensor(list(ids), dtype=torch.long, device=device)

@@ -2,7 +2,7 @@
 
     tokenizer_config.json     tokenizer class, the special tokens, whether encoding adds bos/eos, max length
     special_tokens_map.json   the special tokens alone
-    generation_config.json    bos/eos/pad token ids for `generate` and pipelines
+    generation_config.json    bos/eos/pad token ids for `generate` and pipelines (eos: every id that ends a reply)
     chat_template.jinja       the chat template, where the model has one (transformers reads it too)
 
 Without tokenizer_config.json, `AutoTokenizer` guesses a tokenizer class from the model type and its default
@@ -18,6 +18,10 @@ from Hugging Face keeps its own files: they are carried in the checkpoint and wr
 A model trained on chats has the chat template of its data (`chat_template_of`): a checkpoint's
 chat_template.jinja, else the template of the dataset the run trained on (found as the end-of-document id is).
 A tokenizer_config.json made here carries it as `chat_template`, so `apply_chat_template` renders as zaya does.
+Such a model ends a reply with the template's end-of-turn token (`<|im_end|>`), not with the end-of-document
+token that tokenizer_config.json declares as eos (the template may write `eos_token`, so that one stays): the
+generation_config.json made here lists both as `eos_token_id` (`stop_ids`), which is what transformers'
+`generate` and pipelines stop at, and what `zaya generate --chat` stops at too.
 
 Every one of these files is read as any input (`zaya.reading`: a regular file, a size cap, a depth bound), its
 fields typed (`zaya.schema`): a wrong one is one line naming the file and the key. What only hints at a better
@@ -36,10 +40,11 @@ from tokenizers import Tokenizer
 
 from zaya import reading
 from zaya.checkpoint.files import TRAIN_STATE_FILE, copy_input, read_json
-from zaya.data.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, load_tokenizer
+from zaya.data.chat import ChatFormat
+from zaya.data.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, added_tokens, load_tokenizer
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
-from zaya.schema import Fields, is_a
+from zaya.schema import Fields, is_a, shown
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_FILE = "special_tokens_map.json"
@@ -174,6 +179,41 @@ def chat_template_of(model_dir: Path) -> str | None:
     return training_hints(directory).chat_template
 
 
+# ---- where a reply ends ---------------------------------------------------------------------------------
+
+
+def chat_format(template: str, tokenizer: Tokenizer, specials: SpecialTokens, source: str) -> ChatFormat:
+    """`template` as the model's chats are rendered: with the special tokens the tokenizer declares (what
+    `apply_chat_template` passes as `bos_token` and `eos_token`) and its added tokens as markers. Raises
+    `ZayaError`, or whatever the template raises."""
+    return ChatFormat.create(template, bos_token=specials.bos.text if specials.bos else None,
+                             eos_token=specials.eos.text if specials.eos else None,
+                             tokens=added_tokens(tokenizer), source=source)
+
+
+def stop_ids(chat: ChatFormat, tokenizer: Tokenizer, specials: SpecialTokens, source: str) -> tuple[int, ...]:
+    """The ids a reply ends at: the template's end-of-turn token first, then the end-of-document token (a chat
+    is a training document, so it follows the last turn), each once. One line if the end-of-turn marker is not
+    one token of the tokenizer."""
+    end = tokenizer.token_to_id(chat.end_of_turn)
+    if end is None:
+        raise ZayaError(f"{source}: the chat template ends a turn with {shown(chat.end_of_turn)}, which is not a "
+                        "token of the tokenizer")
+    return (end,) if specials.eos is None or specials.eos.id == end else (end, specials.eos.id)
+
+
+def _reply_ends(template: str | None, tokenizer: Tokenizer, specials: SpecialTokens, source: Path) -> tuple[int, ...]:
+    """`stop_ids` of a model with a chat template, for its export; none for a model without one, or with a template
+    zaya cannot read its end of turn from (an imported model's: a hint, not a requirement, as its other files)."""
+    if template is None:
+        return ()
+    try:
+        return stop_ids(chat_format(template, tokenizer, specials, f"{source}'s chat template"), tokenizer, specials,
+                        str(source))
+    except Exception:  # whatever the template raises: the export is made without it
+        return ()
+
+
 # ---- writing them -------------------------------------------------------------------------------------
 
 
@@ -194,12 +234,17 @@ def special_tokens_map_json(specials: SpecialTokens) -> dict:
     return {f"{role}_token": token.text for role, token in specials.tokens().items()}
 
 
-def generation_config_json(specials: SpecialTokens | None, config: ZayaConfig) -> dict:
-    """generation_config.json: the tokenizer's bos/eos/pad ids (the model config's without a tokenizer)."""
+def generation_config_json(specials: SpecialTokens | None, config: ZayaConfig,
+                           reply_ends: tuple[int, ...] = ()) -> dict:
+    """generation_config.json: the tokenizer's bos/eos/pad ids (the model config's without a tokenizer); with
+    `reply_ends` (a chat model's `stop_ids`) eos is a list: the end-of-document id, then those."""
     if specials is None:
         ids = {"bos": config.bos_token_id, "eos": config.eos_token_id, "pad": config.pad_token_id}
     else:
         ids = {role: token.id for role, token in specials.tokens().items() if role != "unk"}
+    ends = list(dict.fromkeys(i for i in (ids.get("eos"), *reply_ends) if i is not None))
+    if ends:
+        ids["eos"] = ends if len(ends) > 1 else ends[0]
     return {f"{role}_token_id": token_id for role, token_id in ids.items() if token_id is not None}
 
 
@@ -214,7 +259,7 @@ def write_hf_files(directory: Path, config: ZayaConfig, tokenizer_path: Path | N
         copy_input(Path(source) / name, directory)
     if source is not None and os.path.lexists(Path(source) / CHAT_TEMPLATE_FILE):
         copy_input(Path(source) / CHAT_TEMPLATE_FILE, directory)
-    specials = None
+    specials, reply_ends = None, ()
     if tokenizer_path is not None and Path(tokenizer_path).is_file():
         tokenizer = load_tokenizer(tokenizer_path)
         hints = training_hints(source) if source is not None else TrainingHints()
@@ -224,6 +269,7 @@ def write_hf_files(directory: Path, config: ZayaConfig, tokenizer_path: Path | N
         else:
             specials = derive_special_tokens(tokenizer, config, hints.eos_id)
         template = chat_template_of(source) if source is not None else None
+        reply_ends = _reply_ends(template, tokenizer, specials, source)
         made = {TOKENIZER_CONFIG_FILE: tokenizer_config_json(specials, hints.seq_len or config.max_position_embeddings,
                                                              template),
                 SPECIAL_TOKENS_FILE: special_tokens_map_json(specials)}
@@ -231,7 +277,7 @@ def write_hf_files(directory: Path, config: ZayaConfig, tokenizer_path: Path | N
             if name not in preserved:
                 _write_json(directory / name, data)
     if GENERATION_CONFIG_FILE not in preserved:
-        _write_json(directory / GENERATION_CONFIG_FILE, generation_config_json(specials, config))
+        _write_json(directory / GENERATION_CONFIG_FILE, generation_config_json(specials, config, reply_ends))
 
 
 def present_hf_files(directory: Path) -> list[Path]:

@@ -280,10 +280,10 @@ def _eval_record(doc: Fields) -> dict:
     for name in ("time", "loss", "ppl", "limit"):
         if name in doc:
             record[name] = number(doc, name)
-    for name in ("step", "seq_len", "num_fewshot"):
+    for name in ("step", "seq_len", "num_fewshot", "max_batches"):
         if name in doc:
             record[name] = count(doc, name)
-    for name in ("kind", "split", "model", "results_file"):
+    for name in ("kind", "split", "model", "data", "results_file"):
         if name in doc:
             record[name] = text(doc, name)
     if doc.data.get("tasks") is not None:

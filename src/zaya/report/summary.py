@@ -72,30 +72,48 @@ def read_evals(run_dir: Path) -> list[dict]:
 
 
 def eval_results(records: list[dict]) -> list[EvalResult]:
-    """Each record's figures as rows, in step order (evaluations of no training step last)."""
-    results = []
-    ordered = sorted(enumerate(records), key=lambda item: (item[1].get("step") is None, item[1].get("step") or 0,
-                                                           item[1].get("time") or 0, item[0]))
-    for _, record in ordered:
+    """Each evaluation's figures as rows, in step order (evaluations of no training step last).
+
+    evals.jsonl is a log: a checkpoint evaluated again the same way (the same task and settings, or the same
+    dataset, split, window and batches) has a record each time, a rerun's `zaya eval` one more. A row is one
+    figure of one checkpoint, so the record written last gives it: one row per task, metric and step."""
+    newest: dict[tuple, tuple[tuple, EvalResult]] = {}
+    for index, record in enumerate(records):
         step = record.get("step") if isinstance(record.get("step"), int) else None
-        if record.get("kind") == "heldout":
-            task = f"held-out {record.get('split', 'val')}"
-            if record.get("seq_len"):
-                task += f" (seq {numbers.count(record['seq_len'])})"
-            for metric in ("loss", "ppl"):
-                value = _number(record.get(metric))
-                if value is not None:
-                    results.append(EvalResult(task, metric, value, step=step))
-            continue
-        for task, metrics in (record.get("tasks") or {}).items():
-            label = task + _task_notes(record)
-            for key, value in (metrics or {}).items():
-                name, _, filter_ = key.partition(",")
-                if name.endswith("_stderr") or _number(value) is None:
-                    continue
-                stderr = _number(metrics.get(f"{name}_stderr" + (f",{filter_}" if filter_ else "")))
-                metric = name if filter_ in ("", "none") else f"{name} ({filter_})"
-                results.append(EvalResult(label, metric, float(value), stderr, step))
+        order = (step is None, step or 0, record.get("time") or 0, index)
+        for n, (identity, result) in enumerate(_record_results(record, step)):
+            newest[(identity, result.task, result.metric, step)] = ((*order, n), result)
+    return [result for _, result in sorted(newest.values(), key=lambda item: item[0])]
+
+
+def _record_results(record: dict, step: int | None) -> list[tuple[tuple, EvalResult]]:
+    """One record's figures, each with what, besides its task, metric and step, tells its evaluation from others:
+    the dataset, split, window and batches of a held-out loss; the shots and limit of a task."""
+    results = []
+    if record.get("kind") == "heldout":
+        identity = ("heldout", record.get("data"), record.get("split", "val"), record.get("seq_len"),
+                    record.get("max_batches"))
+        data = Path(record["data"]).name if record.get("data") else None
+        task = f"held-out {data + ' ' if data else ''}{record.get('split', 'val')}"
+        notes = [f"seq {numbers.count(record['seq_len'])}"] if record.get("seq_len") else []
+        if record.get("max_batches"):
+            notes.append(f"{numbers.count(record['max_batches'])} batches")
+        task += f" ({', '.join(notes)})" if notes else ""
+        for metric in ("loss", "ppl"):
+            value = _number(record.get(metric))
+            if value is not None:
+                results.append((identity, EvalResult(task, metric, value, step=step)))
+        return results
+    identity = (record.get("kind"), record.get("num_fewshot"), record.get("limit"))
+    for task, metrics in (record.get("tasks") or {}).items():
+        label = task + _task_notes(record)
+        for key, value in (metrics or {}).items():
+            name, _, filter_ = key.partition(",")
+            if name.endswith("_stderr") or _number(value) is None:
+                continue
+            stderr = _number(metrics.get(f"{name}_stderr" + (f",{filter_}" if filter_ else "")))
+            metric = name if filter_ in ("", "none") else f"{name} ({filter_})"
+            results.append((identity, EvalResult(label, metric, float(value), stderr, step)))
     return results
 
 
