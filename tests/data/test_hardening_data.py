@@ -375,7 +375,7 @@ def test_a_csv_row_of_a_million_cells_stops_at_its_line(tmp_path):
 def test_a_build_of_nothing_but_bad_records_names_the_first(cli, tmp_path, tokenizer_file, small_limits):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": BIG}) + "\n")
     _one_line(cli, _build_args(tmp_path / "a.jsonl", tmp_path / "o", tokenizer_file),
-              f"1 bad records; the first: {tmp_path / 'a.jsonl'}:1: a line of more than 64 KiB")
+              f"1 bad records: 1 is a line of more than 64 KiB, the first at {tmp_path / 'a.jsonl'}:1")
 
 
 def test_a_build_json_that_is_not_one_does_not_stop_inspect(cli, tmp_path, dataset):

@@ -1,6 +1,7 @@
 """The worker side of `zaya data build`: a unit of work's records read, their documents tokenized a buffer at a
-time, and the tokens spilled to the staging directory; only sizes, counts and the first problems go back to
-the main process. A chat's tokens also get their loss mask, from the encoder's character offsets."""
+time, and the tokens spilled to the staging directory; only sizes, counts, the first problems and the bad
+records counted by reason go back to the main process. A chat's tokens also get their loss mask, from the
+encoder's character offsets."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer
 from zaya.data.chat import span_mask
 from zaya.data.corpus import InputFile, Piece, ReadOptions, stream_piece
 from zaya.data.shards import SPLITS
+from zaya.data.skipped import count_reason, reason_of
 from zaya.data.spill import SpilledTokens, SpillWriter
 
 MAX_REPORTED_PROBLEMS = 100
@@ -55,6 +57,7 @@ class JobResult:
     problems: list[tuple[int, int, str]] = field(default_factory=list)
     invalid_utf8: list[tuple[int, int]] = field(default_factory=list)
     bad_records: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)  # bad records by reason (`skipped.reason_of`), bounded
     invalid_utf8_documents: int = 0
     text_bytes: int = 0
     # what stops the build: --strict's first bad record, or a chat template past its budget
@@ -82,6 +85,7 @@ def encode_job(job: Job) -> JobResult:
                         result.fatal = (i, record.index, record.problem)
                         return result
                     result.bad_records += 1
+                    count_reason(result.reasons, reason_of(record.problem, record.fields))
                     if len(result.problems) < MAX_REPORTED_PROBLEMS:
                         result.problems.append((i, record.index, record.problem))
                     continue

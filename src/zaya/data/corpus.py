@@ -15,7 +15,8 @@ An input is a file, a directory (searched recursively in sorted order, hidden en
 
 Inside a directory, `Selection` (`--include` / `--exclude` patterns, `patterns.py`) decides which files are
 read: without include patterns, every file of a kind above; with them, only the matching files, those of
-no known kind read as text (one file, one document, like `.txt`).
+no known kind read as text (one file, one document, like `.txt`). What is not read is noted, by reason and
+kind (`skipped.py`), for the build to say.
 
 `stdlib` stands for the `.py` files of the running interpreter's standard library, read like `.txt` files:
 real code that every machine has, which makes it the default demo corpus. Its test suites (`test`, `tests`
@@ -58,6 +59,7 @@ from zaya.data.records import (
     text_record,
     too_long,
 )
+from zaya.data.skipped import EXCLUDED, HIDDEN, LINKED, SPECIAL, UNMATCHED, UNREAD, SkippedFiles
 from zaya.errors import ZayaError
 from zaya.reading import open_regular, os_reason
 
@@ -71,6 +73,7 @@ __all__ = [
     "Record",
     "RecordStream",
     "Selection",
+    "SkippedFiles",
     "discover",
     "location",
     "read_piece",
@@ -94,10 +97,10 @@ _SCAN_BYTES = 1 << 16
 
 
 def discover(inputs: Sequence[str | Path], selection: Selection | None = None,
-             split: str | None = None) -> list[InputFile]:
+             split: str | None = None, skipped: SkippedFiles | None = None) -> list[InputFile]:
     """The files named by `inputs`, in order: directories expanded in sorted order (their files chosen by
     `selection`), `datasets` directories into their arrow files (`split` picks a DatasetDict's split,
-    `train` by default), duplicates dropped.
+    `train` by default), duplicates dropped. What the directories hold and are not read is noted in `skipped`.
 
     Raises a `ZayaError` for a missing path, an explicitly named file of an unsupported type, a directory
     without readable files, an input whose optional dependency is not installed, or a `split` with no
@@ -109,7 +112,7 @@ def discover(inputs: Sequence[str | Path], selection: Selection | None = None,
     files: list[InputFile] = []
     dicts: list[Path] = []  # the saved DatasetDicts met, which `split` chooses from
     for item in inputs:
-        for path, kind, compression in _expand(item, selection, split, dicts):
+        for path, kind, compression in _expand(item, selection, split, dicts, skipped):
             key = os.path.realpath(path)  # never raises: a link loop is refused when the file is opened
             if key not in seen:
                 seen.add(key)
@@ -145,7 +148,8 @@ def _as_text(name: str) -> tuple[str, str | None]:
 Found = tuple[Path, str, str | None]
 
 
-def _expand(item: str | Path, selection: Selection, split: str | None, dicts: list[Path]) -> list[Found]:
+def _expand(item: str | Path, selection: Selection, split: str | None, dicts: list[Path],
+            skipped: SkippedFiles | None) -> list[Found]:
     if str(item) == STDLIB:
         return [(path, "text", None) for path in stdlib_files()]
     path = Path(item)
@@ -153,14 +157,20 @@ def _expand(item: str | Path, selection: Selection, split: str | None, dicts: li
     if stat.S_ISDIR(info.st_mode):
         if tables.is_dataset_directory(path):
             return [(p, "arrow", None) for p in _dataset_files(path, split, dicts)]
-        found = list(_scan(path, selection, split, dicts))
+        here = SkippedFiles()
+        found = list(_scan(path, selection, split, dicts, here))
         if not found:
             if selection.include:
                 excluded = " and --exclude" if selection.exclude else ""
                 raise ZayaError(f"{path}: no files in this directory match --include "
                                 f"{' '.join(selection.include)}{excluded}")
+            kinds = here.kinds_text()
+            has = f"; it has {kinds}" if kinds else ""
             raise ZayaError(f"{path}: no .txt, .jsonl or .parquet files in this directory (nor .json, .csv, .tsv, "
-                            ".arrow, compressed files or saved datasets); --include PATTERN reads any file as text")
+                            f".arrow, compressed files or saved datasets){has}; "
+                            f"{here.hint() or '--include PATTERN reads any file as text'}")
+        if skipped is not None:
+            skipped.update(here)
         return found
     if not stat.S_ISREG(info.st_mode):  # a FIFO, a socket, a device: reading one could wait forever
         raise ZayaError(f"{path}: not a regular file (only files and directories are read)")
@@ -194,30 +204,53 @@ def _dataset_files(path: Path, split: str | None, dicts: list[Path]) -> list[Pat
     return tables.dataset_files(path, split)
 
 
-def _scan(root: Path, selection: Selection, split: str | None, dicts: list[Path]) -> Iterator[Found]:
+def _scan(root: Path, selection: Selection, split: str | None, dicts: list[Path],
+          skipped: SkippedFiles) -> Iterator[Found]:
     """The selected files under `root`, sorted directory by directory; a saved dataset inside is one entry
-    for the patterns, read as its arrow files."""
+    for the patterns, read as its arrow files. Every file and directory passed over is noted in `skipped`."""
+    skipped.included = bool(selection.include)
     for directory, dirnames, filenames in os.walk(root):
         here = Path(directory)
         relative = here.relative_to(root).as_posix()
         if here != root and tables.is_dataset_directory(here):
             dirnames[:] = []
             if not selection.include or selection.included(relative):
-                yield from ((p, "arrow", None) for p in _dataset_files(here, split, dicts))
+                for p in _dataset_files(here, split, dicts):
+                    skipped.read += 1
+                    yield (p, "arrow", None)
+            else:
+                skipped.skip(UNMATCHED, relative, directory=True)
             continue
         prefix = "" if relative == "." else f"{relative}/"
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not selection.excluded(prefix + d))
+        kept = []
+        for d in sorted(dirnames):
+            if d.startswith("."):
+                skipped.skip(HIDDEN, prefix + d, directory=True)
+            elif selection.excluded(prefix + d):
+                skipped.skip(EXCLUDED, prefix + d, directory=True)
+            elif (here / d).is_symlink():  # os.walk does not follow them (a link may make a loop)
+                skipped.skip(LINKED, prefix + d, directory=True)
+            else:
+                kept.append(d)
+        dirnames[:] = kept
         for name in sorted(filenames):
-            if name.startswith(".") or selection.excluded(prefix + name):
+            if name.startswith("."):
+                skipped.skip(HIDDEN, prefix + name)
+                continue
+            if selection.excluded(prefix + name):
+                skipped.skip(EXCLUDED, prefix + name)
                 continue
             if (here / name).exists() and not (here / name).is_file():  # FIFOs, sockets, devices: never opened
+                skipped.skip(SPECIAL, prefix + name)
                 continue  # (a dangling link stays: reading it says what is wrong)
             known = kind_of(name)
-            if selection.include:
-                if selection.included(prefix + name):
-                    yield (here / name, *(known or _as_text(name)))
-            elif known is not None:
-                yield (here / name, *known)
+            if selection.include and not selection.included(prefix + name):
+                skipped.skip(UNMATCHED, prefix + name, here / name)
+            elif selection.include or known is not None:
+                skipped.note_read(name)
+                yield (here / name, *(known or _as_text(name)))
+            else:
+                skipped.skip(UNREAD, prefix + name, here / name)
 
 
 def _walk(root: Path, skipped_dirs: frozenset[str]) -> Iterator[Path]:

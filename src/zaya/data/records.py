@@ -7,7 +7,8 @@ reads the same whether it comes from a `.jsonl` line, a JSON array, a parquet or
 - a text value is a document unless it is empty; raw bytes (plain text files, binary columns) must also not be
   only whitespace;
 - invalid UTF-8 and the lone surrogates JSON escapes can produce become U+FFFD, and the document is flagged;
-- a JSON record must be an object whose text field is a string; a column value must not be null;
+- a JSON record must be an object whose text field is a string (a record without one carries the fields it
+  has, so that the build can say which `--text-field` would read it); a column value must not be null;
 - a chat record (`zaya data build --format chat`) must be an object whose `messages` the chat template can
   render (`chat.py` checks them); its document is the rendered text, with the assistant turns' spans;
 - no record is held in memory beyond a bound: a document, a line, a JSON element, a CSV row or a table cell of
@@ -23,6 +24,7 @@ document itself, its UTF-8 copy and its parts are held while it is.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +38,9 @@ MAX_RECORD_BYTES = 64 * MiB  # one document, line, JSON element, CSV row or tabl
 MAX_CHAT_BYTES = 16 * MiB  # one chat record (its JSON, or its messages' text in a table)
 MAX_CHAT_TURNS = 10_000  # messages in one chat
 _BLOCK = 1 << 20  # bytes read at a time by `split_records`
+_SHOWN_FIELDS = 8
+_FIELD_CHARS = 40
+CHAT_FIELD = "messages"
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ class Record:
     invalid_utf8: bool = False
     spans: tuple[tuple[int, int], ...] | None = None
     fatal: bool = False
+    fields: tuple[str, ...] | None = None  # a record without the text field: the fields it has (`fields_of`)
 
 
 @dataclass
@@ -197,9 +203,11 @@ def object_record(index: int, value: Any, text_field: str, invalid_utf8: bool = 
     if not isinstance(value, dict):
         return Record(index, None, f"expected a JSON object, got {type(value).__name__}")
     if chat is not None:
+        if CHAT_FIELD not in value:  # (the chat reader says so too, without the fields there are)
+            return Record(index, None, f"no field '{CHAT_FIELD}'", fields=fields_of(value))
         return chat.record(index, value, invalid_utf8)
     if text_field not in value:
-        return Record(index, None, f"no field '{text_field}'")
+        return Record(index, None, f"no field '{text_field}'", fields=fields_of(value))
     text = value[text_field]
     if not isinstance(text, str):
         return Record(index, None, f"field '{text_field}' is {type(text).__name__}, not a string")
@@ -207,6 +215,18 @@ def object_record(index: int, value: Any, text_field: str, invalid_utf8: bool = 
         return None
     text, bad_escape = clean(text)
     return Record(index, text, invalid_utf8=invalid_utf8 or bad_escape)
+
+
+def fields_of(value: dict) -> tuple[str, ...]:
+    """The fields of a record that lacks the one looked for, as a line may show them (the first few, each on one
+    line and cut short): the build names the most common set with the flag that reads them."""
+    names = []
+    for key in itertools.islice(value, _SHOWN_FIELDS):
+        name = key if key.isprintable() else json.dumps(key)[1:-1]  # one line, always
+        names.append(name if len(name) <= _FIELD_CHARS else name[:_FIELD_CHARS - 3] + "...")
+    if len(value) > _SHOWN_FIELDS:
+        names.append(f"{len(value) - _SHOWN_FIELDS:,} more")
+    return tuple(names)
 
 
 def json_record(index: int, raw: bytes, text_field: str, chat: ChatReader | None = None) -> Record | None:

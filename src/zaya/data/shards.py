@@ -7,7 +7,8 @@
         train.docs.bin        little-endian int64: where each document ends in the split's token stream
         val.00000.bin ...     the held-out validation split, likewise
         val.docs.bin
-        build.json            how it was built (inputs, options, skipped records); not part of the fingerprint
+        build.json            how it was built (inputs, options, skipped files and records, warnings); not
+                              part of the fingerprint
 
     and in a chat dataset (`zaya data build --format chat`) also
         chat_template.jinja   the chat template the documents were rendered with (the tokenizer's entry lists it)
