@@ -176,19 +176,20 @@ def generate(model_path, prompt, prompt_ids, chat, max_new_tokens, greedy, tempe
         if prompt is not None or as_text:  # the tokenizer is used: it must be this model's (zaya.infer.vocab)
             known_ids = check_tokenizer(tok, tokenizer_path, model.config.vocab_size,
                                         trained_tokenizer(model_path, tokenizer))
-        end_of_turn = None
+        reply_ends = None
         if chat:
             rendered = chat_prompt(template, model_path, tok, model.config, prompt)
-            ids, end_of_turn = rendered.ids, rendered.end_of_turn_id
+            ids, reply_ends = rendered.ids, rendered.stop_ids
         else:
             ids = tok.encode(prompt).ids if prompt is not None else parsed_ids
         check_length(model.config, len(ids), max_new_tokens, prefix="--")
         ids_tensor = torch.tensor([ids], dtype=torch.long)
         check_prompt(ids_tensor, model.config.vocab_size)
 
-    eos = (end_of_turn if chat else model.config.eos_token_id) if stop_at_eos else None
-    # text is made only of ids the tokenizer can decode; ids printed as ids are the model's own choice
-    allowed = allowed_ids(known_ids, model.config.vocab_size, eos) if as_text else None
+    eos = (reply_ends if chat else model.config.eos_token_id) if stop_at_eos else None
+    # text is made only of ids the tokenizer can decode (a reply's ends are its tokens); ids printed as ids are
+    # the model's own choice
+    allowed = allowed_ids(known_ids, model.config.vocab_size, None if chat else eos) if as_text else None
     if shard_kv:
         from zaya.infer.tree import generate_sharded
 
@@ -292,12 +293,15 @@ def convert(src: Path, dst: Path, layout: str, dtype: str | None, max_shard_size
               help="Where the run writes everything (default: runs/<config name>). Resumes if it holds a checkpoint.")
 @click.option("--allow-data-change", is_flag=True, help="Resume even though the data fingerprint changed.")
 @click.option("--allow-tokenizer-change", is_flag=True,
-              help="Resume even though the data's tokenizer is not the one the run was trained with.")
+              help="Train even though the data's tokenizer is not the one of the checkpoint resumed or of the "
+                   "weights of init_from (said in the log).")
+@click.option("--allow-over-memory", is_flag=True,
+              help="Start even though the plan says the run needs more memory than the device has (said in the log).")
 @click.option("--print-param-groups", is_flag=True, help="Print the optimizer's parameter split and exit.")
 @click.option("--print-config", is_flag=True,
               help="Print the resolved config (defaults and --set applied) as TOML and exit, writing nothing.")
 def train(config_path: Path, overrides: tuple[str, ...], run_dir: str | None, allow_data_change: bool,
-          allow_tokenizer_change: bool, print_param_groups: bool, print_config: bool) -> None:
+          allow_tokenizer_change: bool, allow_over_memory: bool, print_param_groups: bool, print_config: bool) -> None:
     """Train (or resume training) a model from a TOML run config; under torchrun, one process per device."""
     from zaya.config import load_config
     from zaya.parallel.launch import Launch
@@ -330,7 +334,8 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: str | None, al
         run_dir = Path("runs") / config_path.stem if run_dir is None else check_run_dir(run_dir)
         config = load_config(config_path, list(overrides))
         job = TrainingJob.check(config, run_dir, launch=launch, environ=os.environ,
-                                allow_data_change=allow_data_change, allow_tokenizer_change=allow_tokenizer_change)
+                                allow_data_change=allow_data_change, allow_tokenizer_change=allow_tokenizer_change,
+                                allow_over_memory=allow_over_memory)
     trainer = job.trainer()
     last = trainer.run()
     step = trainer.progress.step
@@ -340,7 +345,9 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: str | None, al
                        f"command to resume; run directory {run_dir}")
         raise click.exceptions.Exit(EXIT_PREEMPTED)
     if not last:
-        click.echo(f"nothing to do: {run_dir} is already at step {step} of {config.train.max_steps}")
+        from zaya.training import nothing_to_do
+
+        click.echo(nothing_to_do(trainer, run_dir))
         return
     summary = {k: last[k] for k in ("step", "loss", "eval_loss", "tokens") if k in last}
     if launch.is_main:
@@ -364,18 +371,22 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: str | None, al
 @click.option("--output", default=None, type=click.Path(path_type=Path),
               help="With --tasks: write the full results JSON here [default: in the run directory].")
 @click.option("--overwrite", is_flag=True, help="With --output: replace an existing file (never a link or FIFO).")
+@click.option("--allow-tokenizer-change", is_flag=True,
+              help="With --data: evaluate even though the data's tokenizer is not the model's (said on stderr).")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the accelerator if any).")
 def evaluate(model_path: Path, data_path: Path | None, tasks: str | None, split: str | None, seq_len: int | None,
              max_batches: int | None, include_path: Path | None, limit: int | None, num_fewshot: int | None,
-             output: Path | None, overwrite: bool, batch_size: int, device: str | None) -> None:
+             output: Path | None, overwrite: bool, allow_tokenizer_change: bool, batch_size: int,
+             device: str | None) -> None:
     """Evaluate a model: held-out loss on a dataset (--data), or lm-evaluation-harness tasks (--tasks).
 
     Either way, a model inside a run directory gets one line in RUN_DIR/evals.jsonl (read by zaya report);
     --tasks also writes lm_eval's full results as JSON to RUN_DIR/evals/ (or --output)."""
     if (data_path is None) == (tasks is None):
         raise ZayaError("give exactly one of --data (held-out loss) and --tasks (lm-evaluation-harness tasks)")
-    given = {"--split": split, "--seq-len": seq_len, "--max-batches": max_batches} if tasks is not None else {
+    given = {"--split": split, "--seq-len": seq_len, "--max-batches": max_batches,
+             "--allow-tokenizer-change": allow_tokenizer_change or None} if tasks is not None else {
         "--include-path": include_path, "--limit": limit, "--num-fewshot": num_fewshot, "--output": output,
         "--overwrite": overwrite or None}
     misplaced = [name for name, value in given.items() if value is not None]
@@ -389,7 +400,9 @@ def evaluate(model_path: Path, data_path: Path | None, tasks: str | None, split:
         from zaya.evals.heldout import evaluate_model
 
         result = evaluate_model(model_path, data_path, split=split or "val", seq_len=seq_len or 512,
-                                batch_size=batch_size, max_batches=max_batches, device=device, record=True)
+                                batch_size=batch_size, max_batches=max_batches, device=device, record=True,
+                                allow_tokenizer_change=allow_tokenizer_change,
+                                say=lambda line: click.echo(f"zaya: {line}", err=True))
         click.echo(json.dumps(result, indent=2))
         return
     from zaya.evals.run import TaskRun, format_summary, parse_tasks, run_tasks
@@ -439,6 +452,23 @@ def supervise(policy_file: Path | None, state_dir: Path | None, node: str | None
     from zaya.resilience.supervisor import supervise as run_supervisor
 
     code = run_supervisor(list(command), policy_file, state_dir, node, environ=os.environ)
+    if code:
+        raise click.exceptions.Exit(code)
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, required=True, metavar="[TORCHRUN OPTIONS] COMMAND ARGS...")
+def launch(args: tuple[str, ...]) -> None:
+    """Run a zaya command on torchrun's workers: `zaya launch --nproc-per-node 8 train CONFIG`.
+
+    The options are torchrun's own (`torchrun --help`), and every worker runs `python -m zaya.cli COMMAND ARGS`,
+    as under `torchrun ... -m zaya.cli`. A signal (Ctrl-C, SIGTERM) or a failed worker ends it in one line
+    instead of a traceback. Exit codes: 128 + the signal, the first failed worker's code, or 75 when every
+    worker stopped early with a checkpoint."""
+    from zaya.launcher import launch as run_launcher
+
+    commands = sorted(name for name in cli.commands if name not in ("launch", "supervise"))
+    code = run_launcher(args, commands, say=lambda line: click.echo(line, err=True))
     if code:
         raise click.exceptions.Exit(code)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ class RunConfig:
         or recorded by the run being resumed); in fp32 so chosen, Newton-Schulz runs in fp32 too: its bf16
         products would be as slow as the model's. `auto_compile` is what `train.compile = "auto"` becomes
         (`zaya.device.compiles_training`; the planner plans accelerators, where it is on)."""
+        check_positions(self, self.model_config(), Origin(self.source))  # a config made in code, not loaded
         precision = precision or self.train.precision
         if precision not in ("bf16", "fp32"):
             raise ZayaError(f"{self.source}: train.precision = {self.train.precision!r} needs a decision "
@@ -115,12 +117,35 @@ class RunConfig:
 # ---- loading ------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where a loaded config's values came from, for its messages: the file, and the `--set` item that gave each
+    key set on the command line (a wrong value given by `--set` is not the file's to fix)."""
+
+    path: str
+    sets: dict[str, str] = field(default_factory=dict)  # dotted key -> the --set item that set it
+
+    def of(self, *keys: str) -> str:
+        """What a message about `keys` names: `--set ITEM` for the first of them (or a value inside it) that a
+        `--set` gave, else the file."""
+        for key in keys:
+            for given, item in self.sets.items():
+                if key == given or key.startswith(given + "."):
+                    return f"--set {item}"
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path
+
+
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read a TOML run config and apply `key.path=value` overrides (values parsed as TOML, else strings)."""
     path = Path(path)
     raw = read_toml(path, "config", "a TOML run config")
+    sets = {}
     for item in overrides:
-        _apply_override(raw, item, path)
+        key = _apply_override(raw, item, path)
+        sets[key] = item if len(item) <= 80 and item.isprintable() else key  # a long value is not echoed
     schedule = raw.setdefault("schedule", {})
     train = raw.get("train")
     if isinstance(schedule, dict) and "total_steps" not in schedule:
@@ -129,18 +154,22 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         if isinstance(max_steps, int) and not isinstance(max_steps, bool) and RANGES["train.max_steps"].holds(
                 max_steps):
             schedule["total_steps"] = max_steps
+            if "train.max_steps" in sets:
+                sets["schedule.total_steps"] = sets["train.max_steps"]
     model = raw.get("model")
     if isinstance(model, dict):
         # every [model] key but `preset` overrides a model field
         raw["model"] = {"preset": model.get("preset", "tiny"),
                         "overrides": {k: v for k, v in model.items() if k != "preset"}}
-    config = _build(RunConfig, raw, str(path), "")
+    origin = Origin(str(path), sets)
+    config = _build(RunConfig, raw, origin, "")
     config.source = str(path)
-    _validate(config)
+    _validate(config, origin)
     return config
 
 
-def _apply_override(raw: dict, item: str, path: Path) -> None:
+def _apply_override(raw: dict, item: str, path: Path) -> str:
+    """Apply one `--set` item to the file's table `raw`; returns the key it sets."""
     if "\n" in item or "\r" in item:
         # parsed as the TOML `v = VALUE`, a line break would end the value and drop (or add) what follows
         raise ZayaError(f"--set {shown(item)}: a value may not hold a line break")
@@ -184,6 +213,7 @@ def _apply_override(raw: dict, item: str, path: Path) -> None:
     if isinstance(node, list):
         raise ZayaError(f"--set {key}: cannot replace a list entry")
     node[parts[-1]] = value
+    return key
 
 
 def _field_hint(hint: Any, part: str) -> Any:
@@ -240,68 +270,68 @@ def _shown_key(key: str) -> str:
     return key if key.isprintable() and len(key) <= 200 else repr(key)[1:-1][:200]
 
 
-def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
+def _build(cls: type, data: Any, origin: Origin, prefix: str) -> Any:
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(data, dict):
-        raise ZayaError(f"{source}: '{where}' must be a table, got {type_name(data)}")
+        raise ZayaError(f"{origin.of(where)}: '{where}' must be a table, got {type_name(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     for key in data:
         if f"{prefix}{key}" in MOVED_KEYS:
-            raise ZayaError(f"{source}: key '{prefix}{key}' moved to '{MOVED_KEYS[prefix + key]}'")
+            raise ZayaError(f"{origin}: key '{prefix}{key}' moved to '{MOVED_KEYS[prefix + key]}'")
         if key not in fields:
-            raise ZayaError(f"{source}: unknown key '{_shown_key(prefix + key)}'"
+            raise ZayaError(f"{origin}: unknown key '{_shown_key(prefix + key)}'"
                             f"{_nearest(key, fields, prefix.rstrip('.'))}")
-    values = {key: _convert(hints[key], value, source, f"{prefix}{key}") for key, value in data.items()}
+    values = {key: _convert(hints[key], value, origin, f"{prefix}{key}") for key, value in data.items()}
     try:
         return cls(**values)
     except ZayaError as exc:
-        raise ZayaError(f"{source}: [{where}] {exc}") from None
+        raise ZayaError(f"{_about(str(exc), origin, where)}: [{where}] {exc}") from None
 
 
-def _convert(hint: Any, value: Any, source: str, key: str) -> Any:
-    origin = typing.get_origin(hint)
+def _convert(hint: Any, value: Any, origin: Origin, key: str) -> Any:
+    kind = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, source, key + ".")
-    if origin is list:
+        return _build(hint, value, origin, key + ".")
+    if kind is list:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):
             what = "an array of tables" if dataclasses.is_dataclass(item) else "a list"
-            raise ZayaError(f"{source}: key '{key}' must be {what}, got {type_name(value)}")
-        return [_convert(item, v, source, f"{key}.{i}") for i, v in enumerate(value)]
-    if origin is tuple:
+            raise ZayaError(f"{origin.of(key)}: key '{key}' must be {what}, got {type_name(value)}")
+        return [_convert(item, v, origin, f"{key}.{i}") for i, v in enumerate(value)]
+    if kind is tuple:
         items = typing.get_args(hint)
         if not isinstance(value, list) or len(value) != len(items):
-            raise ZayaError(f"{source}: key '{key}' must be a list of {len(items)} values, got "
+            raise ZayaError(f"{origin.of(key)}: key '{key}' must be a list of {len(items)} values, got "
                             f"{f'{len(value)} values' if isinstance(value, list) else type_name(value)}")
-        return tuple(_convert(t, v, source, f"{key}.{i}") for i, (t, v) in enumerate(zip(items, value, strict=True)))
-    if origin is dict:
+        return tuple(_convert(t, v, origin, f"{key}.{i}") for i, (t, v) in enumerate(zip(items, value, strict=True)))
+    if kind is dict:
         if not isinstance(value, dict):
-            raise ZayaError(f"{source}: key '{key}' must be a table, got {type_name(value)}")
+            raise ZayaError(f"{origin.of(key)}: key '{key}' must be a table, got {type_name(value)}")
         return dict(value)
-    if origin in (typing.Union, types.UnionType):
+    if kind in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None:
             return None
         for option in options[:-1]:  # the first that takes the value; the last one's error if none does
             try:
-                return _convert(option, value, source, key)
+                return _convert(option, value, origin, key)
             except ZayaError:
                 continue
-        return _convert(options[-1], value, source, key)
+        return _convert(options[-1], value, origin, key)
     if hint is Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value) if abs(value) < 2**1000 else math.inf  # float() of a longer integer overflows
     if hint is float and isinstance(value, float) and not math.isfinite(value):
-        raise ZayaError(f"{source}: key '{key}' must be a finite number, got {value}")
+        raise ZayaError(f"{origin.of(key)}: key '{key}' must be a finite number, got {value}")
     if hint in _TYPE_NAMES:
         if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-            raise ZayaError(f"{source}: key '{key}' must be {_TYPE_NAMES[hint]}, got {shown(value)}")
+            raise ZayaError(f"{origin.of(key)}: key '{key}' must be {_TYPE_NAMES[hint]}, got {shown(value)}")
         if hint in (int, float):
-            _check_range(value, source, key, hint is int)
+            _check_range(value, origin.of(key), key, hint is int)
         return value
-    raise ZayaError(f"{source}: key '{key}' has an unsupported value {shown(value)}")
+    raise ZayaError(f"{origin.of(key)}: key '{key}' has an unsupported value {shown(value)}")
 
 
 # The range of every number of a run config (the model's fields: zaya.model.config), by its dotted key (N: an
@@ -372,71 +402,121 @@ def range_key(key: str) -> str:
     return ".".join("N" if part.isdigit() else part for part in key.split("."))
 
 
-def _check_range(value: int | float, source: str, key: str, integer: bool) -> None:
+def _check_range(value: int | float, source: str, key: str, integer: bool) -> None:  # source: the file or --set
     bounds = RANGES.get(range_key(key))
     if bounds is not None and not bounds.holds(value):
         kind = "an integer" if integer else "a number"
         raise ZayaError(f"{source}: key '{key}' must be {kind} in {bounds.text(integer)}, got {shown(value)}")
 
 
-def _validate(config: RunConfig) -> None:
+def _validate(config: RunConfig, origin: Origin) -> None:
     """What no single value says: the choices of the string keys, and the keys that must agree (every number is in
-    its range by now: `_convert`)."""
-    source = config.source
-    model = config.model_config()  # the preset exists and the overrides make a valid model
+    its range by now: `_convert`). A message names the `--set` that gave a key it is about, else the file."""
+    model = _checked(config.model_config, origin, "model")  # the preset exists and the overrides make a valid model
     train = config.train
     for key, allowed in (("train.activation_checkpointing", ACTIVATION_CHECKPOINTING), ("train.precision", PRECISIONS),
                          ("logging.wandb_mode", WANDB_MODES), ("balance.error", ("linear", "sign"))):
         value = _lookup(config, key)
         if value not in allowed:
-            raise ZayaError(f"{source}: key '{key}' must be one of {', '.join(repr(a) for a in allowed)}, "
+            raise ZayaError(f"{origin.of(key)}: key '{key}' must be one of {', '.join(repr(a) for a in allowed)}, "
                             f"got {shown(value)}")
-    config.parallel.validate(source)
+    _checked(lambda: config.parallel.validate(origin.path), origin, "parallel")
     if train.time_budget_s and config.schedule.kind != "wsd":
-        raise ZayaError(f"{source}: train.time_budget_s needs schedule.kind = 'wsd' (its decay is timed), "
-                        f"got {shown(config.schedule.kind)}")
+        raise ZayaError(f"{origin.of('train.time_budget_s', 'schedule.kind')}: train.time_budget_s needs "
+                        f"schedule.kind = 'wsd' (its decay is timed), got {shown(config.schedule.kind)}")
     if train.compile not in COMPILE_CHOICES:
-        raise ZayaError(f"{source}: key 'train.compile' must be true, false or \"auto\", got {shown(train.compile)}")
+        raise ZayaError(f"{origin.of('train.compile')}: key 'train.compile' must be true, false or \"auto\", got "
+                        f"{shown(train.compile)}")
     if train.global_batch_size % train.micro_batch_size:
-        raise ZayaError(f"{source}: train.global_batch_size ({train.global_batch_size}) is not a multiple of "
-                        f"train.micro_batch_size ({train.micro_batch_size})")
+        raise ZayaError(f"{origin.of('train.global_batch_size', 'train.micro_batch_size')}: train.global_batch_size "
+                        f"({train.global_batch_size}) is not a multiple of train.micro_batch_size "
+                        f"({train.micro_batch_size})")
     for key in PATH_KEYS:
         for where, value in _values(config, key):
             if "\0" in value:
-                raise ZayaError(f"{source}: key '{where}' holds a NUL character, which no path can")
+                raise ZayaError(f"{origin.of(where)}: key '{where}' holds a NUL character, which no path can")
     if not config.data.path and any(not p.sources for p in config.phases or [Phase()]):
-        raise ZayaError(f"{source}: key 'data.path' is required (or give every phase its sources)")
+        raise ZayaError(f"{origin.of('data.path')}: key 'data.path' is required (or give every phase its sources)")
     names = set()
     for i, phase in enumerate(config.phases):
         problem = phase_name_problem(phase.name)
         if problem:
-            raise ZayaError(f"{source}: key 'phases.{i}.name' = {shown(phase.name)}: {problem}")
+            raise ZayaError(f"{origin.of(f'phases.{i}.name')}: key 'phases.{i}.name' = {shown(phase.name)}: {problem}")
         if phase.name in names:
-            raise ZayaError(f"{source}: phase names must be unique; '{phase.name}' is the name of two phases")
+            raise ZayaError(f"{origin.of(f'phases.{i}.name')}: phase names must be unique; '{phase.name}' is the name "
+                            "of two phases")
         names.add(phase.name)
         if phase.tokens == 0 and i != len(config.phases) - 1:
-            raise ZayaError(f"{source}: phase '{phase.name}' needs a token budget (only the last may be open)")
+            raise ZayaError(f"{origin.of(f'phases.{i}.tokens')}: phase '{phase.name}' needs a token budget (only the "
+                            "last may be open)")
     if config.train.init_from and config.phases and config.phases[0].init_from:
-        raise ZayaError(f"{source}: train.init_from and phases.0.init_from both say where the run starts; set one")
+        raise ZayaError(f"{origin.of('train.init_from', 'phases.0.init_from')}: train.init_from and "
+                        "phases.0.init_from both say where the run starts; set one")
     data = config.data
     try:
         ramp_for(data.ramp_start, data.ramp_increment, train.global_batch_size, data.ramp_samples)
     except ZayaError as exc:
-        raise ZayaError(f"{source}: data.ramp_* with train.global_batch_size: {exc}") from None
-    configured = config.phases or [Phase()]
-    for i, phase in enumerate(config.resolved_phases()):
+        keys = ("data.ramp_start", "data.ramp_increment", "data.ramp_samples", "train.global_batch_size")
+        raise ZayaError(f"{origin.of(*keys)}: data.ramp_* with train.global_batch_size: {exc}") from None
+    for key, phase in _phase_keys(config):
         if train.global_batch_size * phase.seq_len > STEP_TOKENS:
-            raise ZayaError(f"{source}: train.global_batch_size x seq_len = {train.global_batch_size:,} x "
-                            f"{phase.seq_len:,} tokens a step (phase '{phase.name}'), more than {STEP_TOKENS:,}")
+            raise ZayaError(f"{origin.of(key, 'train.global_batch_size')}: train.global_batch_size x seq_len = "
+                            f"{train.global_batch_size:,} x {phase.seq_len:,} tokens a step (phase '{phase.name}'), "
+                            f"more than {STEP_TOKENS:,}")
         if phase.isolate_documents and phase.cp > 1:
-            raise ZayaError(f"{source}: phase '{phase.name}' keeps documents apart (isolate_documents) "
-                            f"with cp = {phase.cp}; context parallelism does not split packed documents yet")
+            raise ZayaError(f"{origin.of('parallel.cp', 'data.isolate_documents', 'phases')}: phase '{phase.name}' "
+                            f"keeps documents apart (isolate_documents) with cp = {phase.cp}; context parallelism "
+                            "does not split packed documents yet")
+    check_positions(config, model, origin)
+
+
+def _phase_keys(config: RunConfig) -> list[tuple[str, Phase]]:
+    """Each resolved phase with the key its seq_len comes from (`phases.N.seq_len`, else `data.seq_len`)."""
+    configured = config.phases or [Phase()]
+    return [(f"phases.{i}.seq_len" if configured[i].seq_len else "data.seq_len", phase)
+            for i, phase in enumerate(config.resolved_phases())]
+
+
+def check_positions(config: RunConfig, model: ZayaConfig, origin: Origin) -> None:
+    """No phase's sequences are longer than `model.max_position_embeddings`. Every attention layer rotates its
+    queries and keys by position (RoPE, `partial_rotary_factor` > 0), computed for any position, so nothing
+    breaks past the bound at once: but the model, and its export, says it is meant for no longer sequences, and
+    the positions beyond it were never trained."""
+    for key, phase in _phase_keys(config):
         if phase.seq_len > model.max_position_embeddings:
-            # RoPE would go on past it, but the model (and its export) says it is meant for no longer sequences
-            key = f"phases.{i}.seq_len" if configured[i].seq_len else "data.seq_len"
-            raise ZayaError(f"{source}: key '{key}' = {phase.seq_len:,} is longer than model.max_position_embeddings "
-                            f"= {model.max_position_embeddings:,} (the longest sequence the model is meant for); "
-                            "raise that, or shorten the sequences")
+            blamed = origin.of(key, "model.max_position_embeddings", "model.preset")
+            raise ZayaError(f"{blamed}: key '{key}' = {phase.seq_len:,} is longer than "
+                            f"model.max_position_embeddings = {model.max_position_embeddings:,} (the longest "
+                            "sequence the model is meant for); raise that, or shorten the sequences")
+
+
+def _checked(check, origin: Origin, table: str):
+    """`check()` (a section's own validation, whose messages name the file): a message about a key of `table`
+    that a `--set` gave names that `--set` instead. The key is found as the message names it: quoted ('KEY'), or
+    a model field by its name."""
+    try:
+        return check()
+    except ZayaError as exc:
+        text = str(exc)
+        blamed = _about(text, origin, table)
+        if blamed == origin.path or not text.startswith(f"{origin.path}: "):
+            raise
+        raise ZayaError(f"{blamed}: {text[len(origin.path) + 2:]}") from None
+
+
+def _about(text: str, origin: Origin, table: str) -> str:
+    """What a section's message `text` names as its source: the first `--set` of a key of `table` that it is
+    about, else the file."""
+    for key in origin.sets:
+        if key.startswith(table + ".") and _names(text, key[len(table) + 1:]):
+            return origin.of(key)
+    return origin.path
+
+
+def _names(text: str, name: str) -> bool:
+    """Whether a section's message `text` is about its key `name`: quoted, or as a word (a model field, a key
+    that another names), with or without its table."""
+    return re.search(rf"(?<![\w.])([\w.]+\.)?{re.escape(name)}(?!\w)", text) is not None
 
 
 # the keys that name a file or a directory

@@ -235,9 +235,13 @@ a test fails when this file and the code disagree.
 A run config is a TOML file that `zaya train CONFIG` reads with `zaya.config.load_config` into typed
 dataclasses, one per section below. Every key is optional unless its default says "required" (and `data.path`
 unless every phase names its sources); a missing key takes its default. An unknown key, a value of the wrong
-type or out of range, or a preset that does not exist is an error naming the key and the file (one line, exit
-code 2, nothing written); an integer is accepted where a float is expected. The datasets are checked when
-training starts, not when the config is loaded.
+type or out of range, or a preset that does not exist is an error naming the key and the file, or the `--set`
+that gave the value (one line, exit code 2, nothing written); an integer is accepted where a float is expected.
+The datasets are checked when training starts, not when the config is loaded, and with them what would
+otherwise stop the run later: with `train.eval_every` set, each phase's val split must hold one global batch of
+windows (`train.global_batch_size` x (`seq_len` + 1) tokens); and the plan's memory must fit the device's (on a
+CPU: the host's available memory, shared by its ranks), or the line names the largest part and the smallest
+`--set` that makes it fit (`zaya train --allow-over-memory` starts it anyway, and says so in train.log).
 
 - `--set key.path=value` (repeatable) overrides a key before the defaults are filled in. The value is read as
   TOML (`--set optim.lr=3e-3`, `--set optim.adamw_betas=[0.9,0.99]`, `--set train.compile=true`) and taken as
@@ -258,7 +262,8 @@ real run (ZAYA1's config among them): a value outside one is a typo, a value in 
 overflow what it reaches (a timer, an int64, the memory) or train on NaN. A timeout or time limit of one process
 is at most a year (31,622,400 s), the time budget of a run ten; counts of tokens and samples stay below 2**62.
 A sequence may not be longer than `model.max_position_embeddings`, the longest the model is meant for (raise it
-for a long-context phase)."""
+for a long-context phase), in any phase: RoPE would compute the positions beyond it, but the model never
+trained on them and its export says it is not meant for them."""
 
 
 def range_rows() -> list[tuple[str, str]]:
@@ -299,7 +304,7 @@ def render() -> str:
             presets = ", ".join(f"`{n}`" for n in PRESETS)
             doc = (f"The model. `preset` names a shape (`zaya.model.presets.PRESETS`):\n{presets}.\n"
                    "Every other key of `[model]` replaces one field of `zaya.model.config.ZayaConfig`, e.g.\n"
-                   "`temp_init = 1.0`. The default shown for a field is its dataclass default; the preset sets the\n"
+                   "`temp_init = 0.0`. The default shown for a field is its dataclass default; the preset sets the\n"
                    "real value of the fields it names (the table of presets below), and a key in `[model]`\n"
                    "replaces that.")
         if doc:

@@ -355,6 +355,44 @@ def device_memory_bytes(device: torch.device) -> int:
         return 0
 
 
+# a container's memory limit and use (cgroup v2, then v1): the kernel stops a process there, whatever the host has
+_CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def memory_available_bytes(device: torch.device) -> int:
+    """The memory a run starting now on `device` can take: an accelerator's whole memory, or on the CPU the host's
+    available memory (the kernel's MemAvailable, within the container's limit: what a process can allocate
+    before the kernel kills it); 0 if unknown."""
+    if device.type != "cpu":
+        return device_memory_bytes(device)
+    figures = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    figures.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in _CGROUP_MEMORY:
+        try:
+            with open(limit_file, encoding="ascii") as limit, open(usage_file, encoding="ascii") as usage:
+                text = limit.read().strip()
+                if text.isdigit() and int(text) < 2**60:  # "max", or v1's unlimited 2**63 rounded to pages
+                    figures.append(max(0, int(text) - int(usage.read().strip())))
+            break
+        except (OSError, ValueError):
+            continue
+    if not figures:
+        import os
+
+        try:
+            figures.append(int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")))
+        except (ValueError, OSError, AttributeError):
+            return 0
+    return min(figures)
+
+
 # The variables that choose which GPUs a process sees: CUDA's, and ROCm's two (HIP for the runtime, ROCR for
 # the kernel driver's agents). A supervisor that cordons a GPU sets all of them, so it needs no vendor check.
 VISIBLE_DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")

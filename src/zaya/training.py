@@ -10,7 +10,9 @@ checked on every rank, and the trainer built from it.
 What is resolved here, once, before anything is built: the device of this rank, the checkpoint to resume (or the
 weights a fresh run starts from), the
 precision of `train.precision = "auto"` (the resumed run's recorded one, else measured on every rank and fp32 if
-any rank is slow in bf16), the run itself (`RunConfig.resolve`), and from the environment the supervisor's
+any rank is slow in bf16), the run itself (`RunConfig.resolve`), what would stop it later if it were not checked
+now (each phase's val split against its evaluations, the plan's memory against the device's: `planned`), and
+from the environment the supervisor's
 settings (heartbeats, incidents, policy, restart count, test-only faults), the job's clock, W&B's mode and the
 cache of `zaya shapes`. The trainer and its parts read none of it from the environment themselves.
 """
@@ -50,8 +52,10 @@ from zaya.train.inputs import (
     newest_checkpoint,
     phase_sources,
     recorded_precision,
+    saved_phase,
 )
 from zaya.train.log import RunLog
+from zaya.train.preflight import check_eval_splits
 from zaya.train.run import ResolvedRun
 from zaya.train.setup import TrainerSetup
 from zaya.train.stops import time_origin
@@ -80,13 +84,16 @@ class TrainingJob:
     lock: DirectoryLock | None = None  # rank 0's hold on the run directory, handed to the trainer
     phase_init: dict[int, WeightSource] = dataclasses.field(default_factory=dict)  # later phases' own weights
     fingerprints: dict[str, list[str]] | None = None  # each phase's datasets', as the checks read them
+    forecast: Forecast | None = None  # the plan of the run on its device, made (its memory checked) by the checks
 
     @classmethod
     def check(cls, config: RunConfig, run_dir: Path | str, *, launch: Launch, environ: Mapping[str, str],
               allow_data_change: bool = False, allow_tokenizer_change: bool = False,
-              measure_bf16: Callable[[torch.device], bool] = fast_bf16_matmul) -> TrainingJob:
+              measure_bf16: Callable[[torch.device], bool] = fast_bf16_matmul,
+              allow_over_memory: bool = False) -> TrainingJob:
         """Resolve and check the run on this rank (inside the job's start-up check: a `ZayaError` here stops every
-        rank). `measure_bf16` says whether bf16 matmuls are fast on the device (`zaya.device.fast_bf16_matmul`)."""
+        rank). `measure_bf16` says whether bf16 matmuls are fast on the device (`zaya.device.fast_bf16_matmul`);
+        `allow_over_memory` starts a run that the plan says does not fit its device's memory (`planned`)."""
         launch.init_timeout_s = config.parallel.init_timeout_s  # how long the start-up check waits for the others
         run_dir = check_run_dir(run_dir)
         device = config.train.device
@@ -96,7 +103,7 @@ class TrainingJob:
         lock = DirectoryLock(Path(run_dir), "zaya train").acquire() if launch.rank == 0 else None
         try:
             return cls._check(config, run_dir, device, launch, environ, allow_data_change, allow_tokenizer_change,
-                              measure_bf16, lock)
+                              measure_bf16, lock, allow_over_memory=allow_over_memory)
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -104,7 +111,7 @@ class TrainingJob:
 
     @classmethod
     def _check(cls, config, run_dir, device, launch, environ, allow_data_change, allow_tokenizer_change,
-               measure_bf16, lock) -> TrainingJob:
+               measure_bf16, lock, allow_over_memory=False) -> TrainingJob:
         train = config.train
         supervision = Supervision.from_environ(environ)
         policy = Policy.load(supervision.policy_file)
@@ -119,10 +126,13 @@ class TrainingJob:
         run = config.resolve(launch.world_size, precision, compiles_training(device))
         run.check_job()
         notes, fingerprints = check_inputs(run, resume_from, allow_data_change, allow_tokenizer_change)
-        init_from, init_notes = init_source(run, resume_from)
-        later, later_notes = phase_sources(run, resume_from)
+        init_from, init_notes = init_source(run, resume_from, allow_tokenizer_change)
+        later, later_notes = phase_sources(run, resume_from, allow_tokenizer_change)
+        check_eval_splits(run, saved_phase(resume_from, len(run.phases)))  # not at its first evaluation
+        forecast, memory_notes = planned(run, device, launch, environ, allow_over_memory)
         return cls(config, Path(run_dir), launch, environ, device, supervision, policy, resume_from, recorded, run,
-                   allow_data_change, init_from, tuple(notes + init_notes + later_notes), lock, later, fingerprints)
+                   allow_data_change, init_from, tuple(notes + init_notes + later_notes + memory_notes), lock, later,
+                   fingerprints, forecast)
 
     def trainer(self, **setup) -> Trainer:
         """The trainer, once every rank passed the start-up check: the ranks agree on a measured precision
@@ -141,6 +151,7 @@ class TrainingJob:
             agreed = "fp32" if "fp32" in launch.gather("precision", run.precision) else "bf16"
             if agreed != run.precision:
                 run = self.run = self.config.resolve(launch.world_size, agreed, compiles_training(self.device))
+                self.forecast = None  # planned for the precision this rank measured
         check_ranks_agree(run, launch.gather, self.fingerprints)
         supervision = self.supervision
         listeners, scales = [], []
@@ -160,10 +171,39 @@ class TrainingJob:
             policy=self.policy, incidents_file=supervision.incidents_file, run_attempt=supervision.run_attempt,
             hooks=Hooks(listeners, scales), origin=time_origin(self.environ),
             wandb_environ_mode=self.environ.get("WANDB_MODE", ""),
-            forecast=Forecast.for_run(run, self.device, launch.local_world_size, table), report_plots=report_plots,
+            forecast=self.forecast or Forecast.for_run(run, self.device, launch.local_world_size, table),
+            report_plots=report_plots,
             lock=self.lock, phase_init=self.phase_init,
         )
         return Trainer(run, dataclasses.replace(trainer_setup, **setup))
+
+
+def planned(run: ResolvedRun, device: torch.device, launch: Launch, environ: Mapping[str, str],
+            allow_over_memory: bool = False) -> tuple[Forecast, list[str]]:
+    """The plan of `run` on this rank's device (the forecast the trainer prints), and what it says of the memory:
+    a run it says does not fit is refused here, before anything is allocated (`zaya.plan.fit`: the largest part,
+    the smallest fix), unless `allow_over_memory`; then the log says so."""
+    forecast = Forecast.for_run(run, device, launch.local_world_size,
+                                default_table_path(run.precision, cache_dir(environ)))
+    problem = forecast.over_memory()
+    if problem is None:
+        return forecast, []
+    if not allow_over_memory:
+        raise ZayaError(f"{problem}; or pass --allow-over-memory to start anyway")
+    return forecast, [f"warning: {problem}; starting anyway (--allow-over-memory)"]
+
+
+def nothing_to_do(trainer: Trainer, run_dir: Path | str) -> str:
+    """What `zaya train` says of a run that had no step left to take: where it ended and why. A run whose time
+    budget is spent ended with its timed decay (the step it ended at is part of its checkpoint, a larger budget
+    does not move it): it trains on only as a new run from its weights."""
+    step, train, clock = trainer.progress.step, trainer.config.train, trainer.stops.clock
+    if train.time_budget_s and clock.schedule_steps and clock.schedule_steps < train.max_steps:
+        return (f"nothing to do: {run_dir} spent its time budget (train.time_budget_s = {train.time_budget_s:g} s, "
+                f"{clock.train_seconds:,.0f} s trained) and ended with its learning-rate decay at step {step} (of "
+                f"train.max_steps = {train.max_steps:,}); to train on from its weights, start a new run: "
+                f"--set train.init_from={run_dir} --run-dir ANOTHER_DIR")
+    return f"nothing to do: {run_dir} is already at step {step} of train.max_steps = {train.max_steps:,}"
 
 
 def check_run_dir(run_dir: str | Path) -> Path:
@@ -194,13 +234,15 @@ def check_run_dir(run_dir: str | Path) -> Path:
 
 def build_trainer(config: RunConfig, run_dir: Path | str, *, launch: Launch | None = None,
                   environ: Mapping[str, str] | None = None, allow_data_change: bool = False,
+                  allow_tokenizer_change: bool = False, allow_over_memory: bool = False,
                   measure_bf16: Callable[[torch.device], bool] = fast_bf16_matmul, **setup) -> Trainer:
     """`TrainingJob.check` inside the start-up check, then `trainer(**setup)`: the trainer `zaya train` would run,
     for a config already loaded (by default in one process, in an empty environment)."""
     launch = launch or Launch()
     with launch.startup():
         job = TrainingJob.check(config, run_dir, launch=launch, environ=environ or {},
-                                allow_data_change=allow_data_change, measure_bf16=measure_bf16)
+                                allow_data_change=allow_data_change, allow_tokenizer_change=allow_tokenizer_change,
+                                measure_bf16=measure_bf16, allow_over_memory=allow_over_memory)
     return job.trainer(**setup)
 
 

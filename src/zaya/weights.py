@@ -1,7 +1,7 @@
 """Where a model's weights come from: a Hugging Face directory (native or ZAYA1-base's legacy layout), one of our
 checkpoints, or a run directory (its newest valid checkpoint). `WeightSource` says which, with the model config it
-was saved with, checks that it fits another config, fingerprints its contents, and loads its tensors into a model
-however that model is sharded. Nothing is unpickled.
+was saved with, checks that it fits another config, fingerprints its contents, names the tokenizer it carries, and
+loads its tensors into a model however that model is sharded. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from zaya import checkpoint, reading
+from zaya.data.tokenizer import find_tokenizer
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
 from zaya.model.hf import (
@@ -104,6 +105,11 @@ class WeightSource:
             return cls(directory, kind, "", config, info.get("step"))
         config, chosen = read_hf_config(directory, layout)
         return cls(directory, kind, chosen, config)
+
+    @property
+    def tokenizer(self) -> Path | None:
+        """The tokenizer.json the weights carry (a checkpoint's copy of its data's, an export's), if any."""
+        return find_tokenizer(self.path)
 
     def describe(self) -> str:
         if self.kind == "hf":

@@ -24,7 +24,7 @@ def _train(tmp_path: Path, dataset: Path) -> str:
 def test_without_a_measured_table_the_memory_is_predicted_and_compared(dataset, tmp_path):
     log = _train(tmp_path, dataset)
     startup = next(line for line in log.splitlines() if "plan (local)" in line)
-    assert "GB per GPU" in startup and "no step-time prediction" in startup
+    assert "GB per CPU process" in startup and "GB available" in startup and "no step-time prediction" in startup
     measured = next(line for line in log.splitlines() if "measured over steps" in line)
     assert f"steps 2-{STEPS + 1}" in measured and "peak memory" in measured and "(plan " in measured
 
@@ -40,6 +40,6 @@ def test_with_the_table_of_zaya_shapes_the_step_time_is_compared(dataset, tmp_pa
     table.save(default_table_path("fp32", tmp_path / "cache"))
     log = _train(tmp_path, dataset)
     startup = next(line for line in log.splitlines() if "plan (local)" in line)
-    assert "tokens/s per GPU" in startup and "no step-time prediction" not in startup
+    assert "tokens/s per CPU process" in startup and "no step-time prediction" not in startup
     measured = next(line for line in log.splitlines() if "measured over steps" in line)
-    assert "step " in measured and "tokens/s per GPU" in measured
+    assert "step " in measured and "tokens/s per CPU process" in measured

@@ -7,12 +7,16 @@
     DatasetWriter -> manifest             # inside a staging directory renamed into place at the end
 
 The pieces are shared out to the workers as units of work (`build_units.py`); what a worker does with
-one is in `build_worker.py`.
+one is in `build_worker.py`, and what the main process keeps of the results in `build_tally.py`. What the build
+did not read (files of the input directories, bad records) and a split that came out empty are said in one
+line each, with the flag that would change it (`skipped.py`).
 
 With `format="chat"` the records are chats (JSON objects with `messages`), each rendered with a chat template
 into one document (`chat.py`), and every token also gets a loss-mask flag: 1 inside the assistant turns, 0
 elsewhere, stored beside the tokens (`shards.py`). A BPE trained here learns from the rendered chats cut at the
-template's markers, which become its special tokens; a given tokenizer must have them.
+template's markers, which become its special tokens; a given tokenizer must have them. A text build reserves
+the markers too when asked (`reserve_chat_markers`: its tokenizer then serves the chat build after it), and
+either kind any further `special_tokens`; the texts are cut at them likewise.
 
 Which split a document goes to depends only on its text (a hash compared with the validation fraction), so
 the split is the same whatever the number of workers, the file order within a run, or the output directory.
@@ -62,20 +66,26 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from zaya.data.build_tally import Tally, collect
 from zaya.data.build_units import group_units, piece_work, plan_pieces, run_order, target_bytes
-from zaya.data.build_worker import MAX_REPORTED_PROBLEMS, Job, JobResult, encode_job, is_val
+from zaya.data.build_worker import Job, JobResult, encode_job, is_val
 from zaya.data.chat import DEFAULT_CHAT_TEMPLATE, ChatFormat, read_template
 from zaya.data.corpus import InputFile, Piece, ReadOptions, Selection, discover, location, stream_piece
 from zaya.data.dataset_writer import DatasetWriter, staged_directory
-from zaya.data.shards import BUILD_FILE, DEFAULT_SHARD_TOKENS, SPLITS, fingerprint_of, token_dtype
+from zaya.data.shards import BUILD_FILE, DEFAULT_SHARD_TOKENS, fingerprint_of, token_dtype
+from zaya.data.skipped import SkippedFiles, split_warnings
 from zaya.data.tokenizer import (
     BOS_TOKEN,
     DEFAULT_VOCAB_SIZE,
     EOS_TOKEN,
+    MIN_VOCAB_SIZE,
+    SPECIAL_TOKENS,
     added_tokens,
     check_markers,
+    check_special_tokens,
     check_vocab_size,
     describe,
+    is_single_token,
     open_tokenizer,
     tokenizer_bytes,
     train_bpe,
@@ -114,6 +124,10 @@ class BuildOptions:
     progress: bool = False
     format: str = "text"  # or "chat": records are chats, rendered with `chat_template` (see the module docstring)
     chat_template: Path | None = None  # a Jinja file; None: DEFAULT_CHAT_TEMPLATE
+    # a text build's tokenizer keeps the chat template's markers whole (a chat build's always does), so that the
+    # chats fine-tuned on later share it; `special_tokens` are kept whole in either
+    reserve_chat_markers: bool = False
+    special_tokens: tuple[str, ...] = ()
 
 
 @dataclass
@@ -127,8 +141,11 @@ class BuildReport:
     text_bytes: int
     bad_records: int = 0
     invalid_utf8_documents: int = 0
-    problems: list[str] = field(default_factory=list)  # the first MAX_REPORTED_PROBLEMS, with locations
+    problems: list[str] = field(default_factory=list)  # the first few (`build_worker.MAX_REPORTED_PROBLEMS`)
     files: int = 0  # input files read
+    bad_record_reasons: dict[str, int] = field(default_factory=dict)  # bounded (`skipped.count_reason`)
+    skipped_files: dict | None = None  # what the input directories held and the build did not read
+    warnings: list[str] = field(default_factory=list)  # one line each: skipped files, bad records, the splits
 
 
 def default_workers() -> int:
@@ -139,18 +156,27 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def build_dataset(options: BuildOptions) -> BuildReport:
-    """Tokenize `options.inputs` into a dataset at `options.out`; see the module docstring."""
+def build_dataset(options: BuildOptions, warn: Callable[[str], None] | None = None) -> BuildReport:
+    """Tokenize `options.inputs` into a dataset at `options.out`; see the module docstring. `warn` is given
+    each warning line as soon as it is known: the files skipped once the inputs are found, the bad records
+    (each, then a summary) and an empty or small split at the end. The report keeps the lines (`warnings`, and
+    the bad records themselves in `problems`), and so does build.json."""
     started = time.perf_counter()
     _check_options(options)
     workers = options.workers or default_workers()
-    files = discover(options.inputs, Selection(options.include, options.exclude), options.split)
+    skipped = SkippedFiles()
+    files = discover(options.inputs, Selection(options.include, options.exclude), options.split, skipped)
+    warnings = [skipped.text()] if skipped.worth_saying() else []
+    if warn is not None:
+        for line in warnings:
+            warn(line)
+    said = len(warnings)
     given = open_tokenizer(options.tokenizer) if options.tokenizer is not None else None
     chat = _chat_format(options, files, given[0] if given else None)
     read = ReadOptions(options.text_field, options.doc_separator, chat)
     pieces = plan_pieces(files, read, workers)
     with staged_directory(options.out, options.overwrite) as staging:
-        markers = chat.markers if chat is not None else ()
+        markers = _reserved_tokens(options, chat, given[0] if given else None)
         tokenizer, tokenizer_json = given or _train_tokenizer(options, files, pieces, read, markers)
         info = describe(tokenizer, tokenizer_json, str(options.tokenizer or "the trained tokenizer"),
                         options.eos_token, markers)
@@ -165,11 +191,12 @@ def build_dataset(options: BuildOptions) -> BuildReport:
         shutil.rmtree(spill)  # inside this build's own staging directory: only what its workers wrote
         if tally.documents == 0:
             writer.abort()
-            first = f"; the first: {tally.problems[0]}" if tally.problems else ""
+            why = f": {tally.reasons_text(options.text_field, chat is not None)}" if tally.bad_records else ""
             raise ZayaError(f"no documents in the inputs ({len(files)} files, {tally.text_bytes} bytes of text, "
-                            f"{tally.bad_records} bad records{first})")
+                            f"{tally.bad_records} bad records{why})")
         template = None if chat is None else {"template": chat.template, "end_of_turn": chat.end_of_turn}
         manifest = writer.finish(tokenizer_json, info.to_dict(), tally.corpus(), template)
+        warnings += tally.summary(options.text_field, chat is not None) + split_warnings(manifest, options.val_fraction)
         report = BuildReport(
             path=Path(options.out),
             fingerprint=fingerprint_of(manifest),
@@ -180,8 +207,14 @@ def build_dataset(options: BuildOptions) -> BuildReport:
             invalid_utf8_documents=tally.invalid_utf8,
             problems=tally.problems,
             files=len(files),
+            bad_record_reasons=tally.reasons,
+            skipped_files=skipped.to_dict() if skipped.read or skipped.groups else None,
+            warnings=warnings,
         )
         _write_build_info(staging / BUILD_FILE, options, workers, report)
+    if warn is not None:
+        for line in tally.problems + warnings[said:]:
+            warn(line)
     return report
 
 
@@ -199,8 +232,10 @@ def _check_options(options: BuildOptions) -> None:
             raise ZayaError(f"{flag} needs a pattern such as '*.py', got an empty one")
     if options.format not in FORMATS:
         raise ZayaError(f"--format must be one of {', '.join(FORMATS)}, got {options.format!r}")
-    if options.chat_template is not None and options.format != "chat":
-        raise ZayaError("--chat-template is for chat data: add --format chat")
+    check_special_tokens(options.special_tokens)
+    if options.chat_template is not None and options.format != "chat" and not options.reserve_chat_markers:
+        raise ZayaError("--chat-template is for chat data: add --format chat (or --reserve-chat-markers, to reserve "
+                        "its markers in a text build)")
 
 
 # ---- the tokenizer ------------------------------------------------------------------------------------
@@ -214,28 +249,55 @@ def _chat_format(options: BuildOptions, files: Sequence[InputFile], tokenizer: T
         if file.kind not in _CHAT_KINDS:
             raise ZayaError(f"{file.path}: --format chat reads JSON lines (.jsonl, also .gz or .zst), JSON arrays "
                             f"of chats and parquet or arrow tables with a 'messages' column, not {file.kind} files")
-    if options.chat_template is None:
-        template, source = DEFAULT_CHAT_TEMPLATE, "the default chat template"
-    else:
-        template, source = read_template(options.chat_template), str(options.chat_template)
-    has_bos = tokenizer is None or tokenizer.token_to_id(BOS_TOKEN) is not None
-    chat = ChatFormat.create(template, bos_token=BOS_TOKEN if has_bos else None, eos_token=options.eos_token,
-                             tokens=added_tokens(tokenizer) if tokenizer is not None else (), source=source)
+    chat = _template(options, tokenizer)
     if tokenizer is not None:
         check_markers(tokenizer, chat.markers, str(options.tokenizer))
     return chat
 
 
+def _template(options: BuildOptions, tokenizer: Tokenizer | None) -> ChatFormat:
+    """The chat template (`--chat-template`, or the default), with its markers found."""
+    if options.chat_template is None:
+        template, source = DEFAULT_CHAT_TEMPLATE, "the default chat template"
+    else:
+        template, source = read_template(options.chat_template), str(options.chat_template)
+    has_bos = tokenizer is None or tokenizer.token_to_id(BOS_TOKEN) is not None
+    return ChatFormat.create(template, bos_token=BOS_TOKEN if has_bos else None, eos_token=options.eos_token,
+                             tokens=added_tokens(tokenizer) if tokenizer is not None else (), source=source)
+
+
+def _reserved_tokens(options: BuildOptions, chat: ChatFormat | None, given: Tokenizer | None) -> tuple[str, ...]:
+    """The tokens the dataset's tokenizer keeps whole, besides <pad>, <eos> and <bos>: the chat template's markers
+    (a chat build's, or a text build's with `reserve_chat_markers`), then `special_tokens`, without repeats. A given
+    tokenizer must have each as one token already; a BPE to train must have room for them."""
+    if chat is None and options.reserve_chat_markers:
+        chat = _template(options, given)
+    markers = chat.markers if chat is not None else ()
+    reserved = tuple(dict.fromkeys(t for t in (*markers, *options.special_tokens) if t not in SPECIAL_TOKENS))
+    if given is not None:
+        for token in reserved:
+            if not is_single_token(given, token):
+                asked = "--special-token" if token in options.special_tokens else "--reserve-chat-markers"
+                raise ZayaError(f"{options.tokenizer}: {asked} asks for {token!r}, which is not one token of this "
+                                "tokenizer; give a tokenizer that has it as a special token, or leave out --tokenizer "
+                                "to train one that reserves it")
+    elif options.vocab_size < MIN_VOCAB_SIZE + len(reserved):
+        raise ZayaError(f"--vocab-size {options.vocab_size} leaves no room for the {len(reserved)} reserved tokens: "
+                        f"with the 256 byte symbols and {', '.join(SPECIAL_TOKENS)} they need at least "
+                        f"{MIN_VOCAB_SIZE + len(reserved)}")
+    return reserved
+
+
 def _train_tokenizer(options: BuildOptions, files: Sequence[InputFile], pieces: Sequence[Piece],
-                     read: ReadOptions, markers: Sequence[str]) -> tuple[Tokenizer, bytes]:
+                     read: ReadOptions, reserved: Sequence[str]) -> tuple[Tokenizer, bytes]:
     texts = _training_texts(options, files, pieces, read)
-    if markers:  # the trainer would learn merges across them: it sees text, not special tokens
-        cut = re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
+    if reserved:  # the trainer would learn merges across them: it sees text, not special tokens
+        cut = re.compile("|".join(re.escape(m) for m in sorted(reserved, key=len, reverse=True)))
         texts = (part for text in texts for part in cut.split(text) if part)
     if options.progress:
         print("training the tokenizer", file=sys.stderr)
     tokenizer = _interruptible(
-        lambda feed: train_bpe(feed, options.vocab_size, progress=options.progress, extra_special_tokens=markers),
+        lambda feed: train_bpe(feed, options.vocab_size, progress=options.progress, extra_special_tokens=reserved),
         texts)
     return tokenizer, tokenizer_bytes(tokenizer)
 
@@ -315,29 +377,8 @@ def _training_texts(options: BuildOptions, files: Sequence[InputFile], pieces: S
 # ---- tokenizing in worker processes -------------------------------------------------------------------
 
 
-@dataclass
-class _Tally:
-    """Running totals over the results, in order."""
-
-    text_bytes: int = 0
-    documents: int = 0
-    bad_records: int = 0
-    invalid_utf8: int = 0
-    problems: list[str] = field(default_factory=list)
-
-    def note(self, message: str) -> None:
-        if len(self.problems) < MAX_REPORTED_PROBLEMS:
-            self.problems.append(message)
-
-    def corpus(self) -> dict:
-        # What the documents are, not how they were packaged: the number of input files stays out of the
-        # manifest (and so out of the fingerprint); build.json records it.
-        return {"text_bytes": self.text_bytes, "documents": self.documents, "bad_records": self.bad_records,
-                "invalid_utf8_documents": self.invalid_utf8}
-
-
 def _tokenize(options: BuildOptions, files: Sequence[InputFile], pieces: Sequence[Piece], read: ReadOptions,
-              tokenizer_json: bytes, eos_id: int, writer: DatasetWriter, workers: int, spill: Path) -> _Tally:
+              tokenizer_json: bytes, eos_id: int, writer: DatasetWriter, workers: int, spill: Path) -> Tally:
     total = sum(p.size for p in pieces)
     work = [piece_work(files, p) for p in pieces]
     units = group_units(pieces, work, target_bytes(sum(work), workers))
@@ -347,7 +388,7 @@ def _tokenize(options: BuildOptions, files: Sequence[InputFile], pieces: Sequenc
         for i, unit in enumerate(units)
     ]
     run = run_order([sum(piece_work(files, p) for p in unit) for unit in units], workers)
-    tally = _Tally()
+    tally = Tally()
     records_before = [0] * len(files)
     finished: dict[int, JobResult] = {}
     written = 0
@@ -360,34 +401,11 @@ def _tokenize(options: BuildOptions, files: Sequence[InputFile], pieces: Sequenc
             while written in finished:  # results are written in input order, whatever order they ran in
                 result = finished.pop(written)
                 try:
-                    _collect(jobs[written], result, tally, records_before, read, writer)
+                    collect(jobs[written], result, tally, records_before, read, writer)
                 finally:
                     result.tokens.remove()
                 written += 1
     return tally
-
-
-def _collect(job: Job, result: JobResult, tally: _Tally, records_before: list[int], read: ReadOptions,
-             writer: DatasetWriter) -> None:
-    """Write one unit's tokens and account for its records; `records_before` numbers records per file."""
-    if result.fatal is not None:  # --strict's first bad record, or a template past its budget
-        i, index, problem = result.fatal
-        raise ZayaError(f"{location(job.files[i], records_before[job.pieces[i].file] + index, read)}: {problem}")
-    for i, index, problem in result.problems:
-        where = location(job.files[i], records_before[job.pieces[i].file] + index, read)
-        tally.note(f"{where}: {problem}")
-    tally.bad_records += result.bad_records
-    for i, index in result.invalid_utf8:
-        where = location(job.files[i], records_before[job.pieces[i].file] + index, read)
-        tally.note(f"{where}: invalid UTF-8, replaced by U+FFFD")
-    tally.invalid_utf8 += result.invalid_utf8_documents
-    for piece, count in zip(job.pieces, result.counts, strict=True):
-        records_before[piece.file] += count
-    for split in SPLITS:
-        for tokens, doc_lengths, mask in result.tokens.read(split):
-            writer.write(split, tokens, doc_lengths, mask)
-            tally.documents += len(doc_lengths)
-    tally.text_bytes += result.text_bytes
 
 
 @contextlib.contextmanager
@@ -435,7 +453,11 @@ def _write_build_info(path: Path, options: BuildOptions, workers: int, report: B
         "seconds": round(report.seconds, 3),
         "text_bytes": report.text_bytes,
         "bad_records": report.bad_records,
+        "bad_record_reasons": report.bad_record_reasons,
         "invalid_utf8_documents": report.invalid_utf8_documents,
         "problems": report.problems,
+        "warnings": report.warnings,
     }
+    if report.skipped_files is not None:
+        info["skipped_files"] = report.skipped_files
     path.write_text(json.dumps(info, indent=2) + "\n")

@@ -30,7 +30,8 @@ line naming the template and the chat. A chat has at most `MAX_CHAT_TURNS` (10,0
 
 Markers are the strings shaped `<|name|>`, `<name>` or `</name>` that a template writes around the messages
 (`<|im_start|>` and `<|im_end|>` for the default, a ChatML-like template). A BPE trained for a chat dataset
-gets them as special tokens; a given tokenizer must have each as one token already.
+gets them as special tokens; a given tokenizer must have each as one token already, as a text build's has when
+it reserved them (`--reserve-chat-markers`: pre-training and the chats after it then share one tokenizer).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@
     zaya data build --input shards/ --out data/web                     # *.jsonl.zst, *.jsonl.gz, ...
     zaya data build --input saved_dataset/ --split train --out data/hf  # a `save_to_disk` directory
     zaya data build --format chat --input chats.jsonl --out data/sft     # {"messages": [...]} per line
+    zaya data build --input corpus/ --out data/base --reserve-chat-markers   # chats later on the same tokenizer
+    zaya data build --format chat --input chats.jsonl --out data/sft --tokenizer runs/base   # the run's tokenizer
     zaya data inspect data/mine --verify
 
 Every input kind and its options: docs/data.md.
@@ -29,7 +31,7 @@ from zaya.data.build import (
 )
 from zaya.data.dataset_reader import Dataset, open_dataset
 from zaya.data.shards import BUILD_FILE, DEFAULT_SHARD_TOKENS
-from zaya.data.tokenizer import DEFAULT_VOCAB_SIZE, EOS_TOKEN
+from zaya.data.tokenizer import DEFAULT_VOCAB_SIZE, EOS_TOKEN, SPECIAL_TOKENS
 from zaya.errors import ZayaError
 from zaya.reading import read_json_object
 from zaya.schema import Fields
@@ -52,9 +54,15 @@ def data() -> None:
                    "rendered with a chat template; the model learns the assistant turns only.")
 @click.option("--chat-template", type=click.Path(path_type=Path), default=None, metavar="FILE",
               help="A Jinja chat template in transformers' convention [default: a ChatML-like one, "
-                   "<|im_start|>role ... <|im_end|>].")
+                   "<|im_start|>role ... <|im_end|>]; in a text build, the one --reserve-chat-markers reads.")
+@click.option("--reserve-chat-markers", is_flag=True,
+              help="Text builds: the BPE keeps the chat template's markers as single special tokens, so that a "
+                   "chat build for fine-tuning can reuse this dataset's tokenizer (chat builds always do).")
+@click.option("--special-token", "special_tokens", multiple=True, metavar="TOKEN",
+              help="Keep TOKEN as one special token of the BPE (the text is cut at it). Repeatable.")
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
-              help="Use this tokenizer.json instead of training a byte-level BPE.")
+              help="Use this tokenizer instead of training a byte-level BPE: a tokenizer.json, or the one of a "
+                   "dataset, a checkpoint, a Hugging Face export or a run (its newest valid checkpoint's).")
 @click.option("--vocab-size", type=int, default=None,
               help=f"Size of the BPE to train [default: {DEFAULT_VOCAB_SIZE}].")
 @click.option("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, show_default=True,
@@ -82,12 +90,16 @@ def data() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing dataset at --out.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bars on stderr [default: when stderr is a terminal].")
-def build(inputs, more_inputs, out, data_format, chat_template, tokenizer, vocab_size, val_fraction, include, exclude,
-          dataset_split, text_field, doc_separator, eos_token, strict, bpe_sample_mb, workers, shard_tokens,
-          overwrite, progress) -> None:
+def build(inputs, more_inputs, out, data_format, chat_template, reserve_chat_markers, special_tokens, tokenizer,
+          vocab_size, val_fraction, include, exclude, dataset_split, text_field, doc_separator, eos_token, strict,
+          bpe_sample_mb, workers, shard_tokens, overwrite, progress) -> None:
     """Tokenize text files into a dataset of token super-shards, a document index and a manifest."""
     if tokenizer is not None and vocab_size is not None:
         raise ZayaError("give --tokenizer or --vocab-size, not both")
+    if tokenizer is not None:
+        from zaya.tokenizer_source import tokenizer_file  # a run's: the command line reaches above data/
+
+        tokenizer = tokenizer_file(tokenizer)
     options = BuildOptions(
         inputs=(*inputs, *more_inputs),
         out=out,
@@ -108,18 +120,11 @@ def build(inputs, more_inputs, out, data_format, chat_template, tokenizer, vocab
         progress=sys.stderr.isatty() if progress is None else progress,
         format=data_format,
         chat_template=chat_template,
+        reserve_chat_markers=reserve_chat_markers,
+        special_tokens=special_tokens,
     )
-    report = build_dataset(options)
-    for problem in report.problems:
-        click.echo(f"zaya: warning: {problem}", err=True)
-    skipped = []
-    if report.bad_records:
-        skipped.append(f"skipped {report.bad_records} bad records")
-    if report.invalid_utf8_documents:
-        skipped.append(f"{report.invalid_utf8_documents} documents had invalid UTF-8 (replaced by U+FFFD)")
-    if skipped:
-        shown = f"; the first {len(report.problems)} are listed above" if report.problems else ""
-        click.echo(f"zaya: warning: {', '.join(skipped)}{shown}", err=True)
+    # the files skipped as soon as the inputs are found; the bad records, their summary and the splits at the end
+    report = build_dataset(options, warn=lambda line: click.echo(f"zaya: warning: {line}", err=True))
     click.echo(_format(open_dataset(report.path)))
     click.echo(f"built in {report.seconds:.1f}s")
 
@@ -156,6 +161,10 @@ def _format(dataset: Dataset) -> str:
         f"sha256 {tokenizer['sha256'][:16]}",
         f"tokens       {summary['num_tokens']:,} as {summary['dtype']} (largest id {summary['max_token_id']})",
     ]
+    reserved = {token: i for token, i in tokenizer["special_ids"].items() if token not in SPECIAL_TOKENS}
+    if reserved:
+        lines.insert(3, "special      " + ", ".join(f"{token} {i}" for token, i in
+                                                  sorted(reserved.items(), key=lambda item: item[1])))
     for name, split in summary["splits"].items():
         learned = f" ({split['loss_tokens']:,} learned)" if "loss_tokens" in split else ""
         lines.append(f"{name:<12} {split['num_tokens']:,} tokens{learned}, {split['num_documents']:,} documents, "

@@ -4,7 +4,15 @@ A trained tokenizer reserves its first ids for the special tokens `<pad>`=0, `<e
 model config's defaults, so a model built from a preset needs no id remapping. The builder appends the
 end-of-document token after every document; the tokenizer itself adds nothing, so encoding a prompt at
 inference gives just the prompt's ids. A BPE trained for a chat dataset also reserves its chat template's
-markers (`<|im_start|>`, `<|im_end|>`), after those three.
+markers (`<|im_start|>`, `<|im_end|>`), after those three; a text dataset reserves them when asked
+(`--reserve-chat-markers`), so that one tokenizer serves pre-training and the chats after it, and so do any
+other special tokens asked for (`--special-token`).
+
+What a tokenizer is, for the checks that a model and its data share one (`train.init_from`, a resume, `zaya eval
+--data`), is its content: `content_fingerprint` hashes the parsed tokenizer (its model, added tokens, normalizer,
+pre-tokenizer, decoder and post-processor) as `tokenizers` writes it back, so the same tokenizer saved pretty or
+compact, with its keys or merges written another way, is the same tokenizer; the bytes' own sha256 stays the
+dataset manifest's record of its file.
 
 Training is deterministic: the `tokenizers` BPE trainer has no randomness, assigns the 256 byte-level symbols
 ids in sorted order and breaks ties between equally frequent pairs by those ids. (Its one known source of run-
@@ -15,6 +23,7 @@ check that two builds, in two processes, produce the same tokenizer bytes.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +42,11 @@ BOS_TOKEN = "<bos>"
 # 256 byte symbols plus the special tokens: anything smaller cannot encode every string
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 MAX_VOCAB_SIZE = 1 << 32
+# bounds on the special tokens a build may be asked to reserve: each is one entry of the vocabulary
+MAX_SPECIAL_TOKENS = 1024
+MAX_SPECIAL_TOKEN_CHARS = 256
+# what a tokenizer does, in tokenizer.json's own keys (its truncation, padding and version are settings of use)
+_CONTENT_KEYS = ("model", "added_tokens", "normalizer", "pre_tokenizer", "decoder", "post_processor")
 
 
 @dataclass(frozen=True)
@@ -124,11 +138,44 @@ def added_tokens(tokenizer: Tokenizer) -> list[str]:
     return [token.content for _, token in sorted(tokenizer.get_added_tokens_decoder().items())]
 
 
+def is_single_token(tokenizer: Tokenizer, text: str) -> bool:
+    """Whether `text` encodes as exactly one token of `tokenizer`, its own."""
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    return len(ids) == 1 and tokenizer.token_to_id(text) == ids[0]
+
+
 def check_markers(tokenizer: Tokenizer, markers: Sequence[str], source: str) -> None:
     """Refuse a tokenizer that would cut one of a chat template's markers into pieces."""
     for marker in markers:
-        ids = tokenizer.encode(marker, add_special_tokens=False).ids
-        if len(ids) != 1 or tokenizer.token_to_id(marker) != ids[0]:
+        if not is_single_token(tokenizer, marker):
             raise ZayaError(f"{source}: the chat template's marker {marker!r} is not a token of this tokenizer; "
-                            "give a tokenizer that has it as a special token, or a --chat-template whose markers "
-                            "it has")
+                            "give a tokenizer that has it as a special token (a text build with "
+                            "--reserve-chat-markers reserves them), or a --chat-template whose markers it has")
+
+
+def check_special_tokens(tokens: Sequence[str]) -> None:
+    """Refuse special tokens that cannot be one entry of a vocabulary: empty, only whitespace, too long, or too
+    many of them."""
+    if len(tokens) > MAX_SPECIAL_TOKENS:
+        raise ZayaError(f"--special-token: at most {MAX_SPECIAL_TOKENS} special tokens, got {len(tokens)}")
+    for token in tokens:
+        if not token.strip():
+            raise ZayaError(f"--special-token: {token!r} is empty or only whitespace; give the token's text, "
+                            "e.g. '<|tool|>'")
+        if len(token) > MAX_SPECIAL_TOKEN_CHARS:
+            raise ZayaError(f"--special-token: {token[:40]!r}... is {len(token):,} characters, more than the "
+                            f"{MAX_SPECIAL_TOKEN_CHARS} a special token may have")
+
+
+def content_fingerprint(tokenizer: Tokenizer) -> str:
+    """The hex sha256 of what `tokenizer` does (see the module docstring): equal for two tokenizer.json files
+    that differ only in how they are written."""
+    data = json.loads(tokenizer.to_str())
+    canonical = {key: data.get(key) for key in _CONTENT_KEYS}
+    text = json.dumps(canonical, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def tokenizer_fingerprint(path: Path) -> str:
+    """`content_fingerprint` of the tokenizer.json at `path` (one `ZayaError` if it cannot be read)."""
+    return content_fingerprint(load_tokenizer(path))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,16 +48,30 @@ def check_sizes(seq_len: int, batch_size: int, max_batches: int | None) -> None:
                         f"batch, more than the bound {MAX_BATCH_TOKENS:,}")
 
 
+def check_split(data_path: str | Path, split: str, seq_len: int, batch_size: int) -> None:
+    """The dataset's `split` fills one batch of `batch_size` windows of `seq_len + 1` tokens, or one line names it,
+    its tokens, what a batch needs and the fix (`zaya.train.preflight`)."""
+    from zaya.data.dataset_reader import open_dataset
+    from zaya.train.preflight import eval_split_problem
+
+    problem = eval_split_problem([open_dataset(Path(data_path))], split, seq_len, batch_size)
+    if problem:
+        fix = "rebuild it with a larger --val-fraction, or pass" if split == "val" else "pass"
+        raise ZayaError(f"{problem}: {fix} a smaller --batch-size or --seq-len")
+
+
 @torch.no_grad()
 def evaluate_model(model_path: str | Path, data_path: str | Path, *, split: str = "val", seq_len: int = 512,
                    batch_size: int = 8, max_batches: int | None = None, device: str | None = None,
-                   record: bool = False) -> dict:
+                   record: bool = False, allow_tokenizer_change: bool = False,
+                   say: Callable[[str], None] | None = None) -> dict:
     """Mean next-token cross-entropy over fixed windows of `seq_len + 1` tokens of the split (over the assistant
     tokens of a chat dataset: those its loss mask keeps).
 
     With `record`, a model inside a run directory also gets a "heldout" line in RUN_DIR/evals.jsonl
     (`zaya.evals.records`). The sizes are bounded (`check_sizes`), and `seq_len` by the model's
-    `max_position_embeddings`."""
+    `max_position_embeddings`. The model must carry the data's tokenizer (`zaya.tokenizer_source`) unless
+    `allow_tokenizer_change`; what that check has to say goes to `say` (default: stderr)."""
     check_sizes(seq_len, batch_size, max_batches)
     if record:  # an evals.jsonl that cannot take the record is refused before the evaluation, not after it
         from zaya.evals.records import check_record_file, run_dir_of
@@ -66,6 +82,12 @@ def evaluate_model(model_path: str | Path, data_path: str | Path, *, split: str 
     limit = model.config.max_position_embeddings
     if seq_len > limit:
         raise ZayaError(f"--seq-len {seq_len:,} is more than the model's max_position_embeddings ({limit:,})")
+    from zaya.tokenizer_source import check_model_on_data
+
+    said = check_model_on_data(model_path, data_path, allow=allow_tokenizer_change)
+    if said is not None:
+        (say or (lambda line: print(line, file=sys.stderr, flush=True)))(said)
+    check_split(data_path, split, seq_len, batch_size)  # before the first batch, not in its place
     loader = TokenLoader([(data_path, 1.0)], seq_len, seed=0, split=split, prefetch=0)
     try:
         loader.check_vocab(model.config.vocab_size)
@@ -87,6 +109,7 @@ def evaluate_model(model_path: str | Path, data_path: str | Path, *, split: str 
 
         run_dir = run_dir_of(model_path)
         if run_dir is not None:
-            append_record(run_dir, heldout_record(model_path, checkpoint_step(model_path), split, seq_len, loss))
+            append_record(run_dir, heldout_record(model_path, checkpoint_step(model_path), split, seq_len, loss,
+                                                  data=data_path, max_batches=max_batches))
     return {"model": str(model_path), "data": str(data_path), "split": split, "seq_len": seq_len,
             "batches": batches, "tokens": tokens, "loss": loss, "perplexity": math.exp(min(loss, 700.0))}

@@ -56,6 +56,12 @@ class DeviceSpec:
     gpus_per_node: int
     gemm_efficiency: float  # fraction of the bf16 peak large, well-shaped GEMMs reach in practice
     sources: tuple[str, ...]
+    host: bool = False  # a CPU: each rank is a process, and its memory is the host's
+
+    @property
+    def unit(self) -> str:
+        """What one rank runs on, for "per ..." in messages."""
+        return "CPU process" if self.host else "GPU"
 
 
 _NIC_400G = 400e9 / 8  # one 400 Gb/s NIC per GPU, per direction
@@ -215,6 +221,7 @@ def local_device(table: EfficiencyTable) -> DeviceSpec:
         gpus_per_node=1,
         gemm_efficiency=efficiency,
         sources=(),
+        host=table.device.split(":")[0] == "cpu",
     )
 
 

@@ -1,22 +1,26 @@
 """The plan beside the run: at startup the trainer prints what `zaya plan` predicts for this run's mesh and
-device (memory per GPU, step time, throughput), and after 20 steps the measured figures next to it, so that
-a wrong prediction is seen at once, and a right one can be trusted for the next launch.
+device (memory per GPU or CPU process, step time, throughput), and after 20 steps the measured figures next to
+it, so that a wrong prediction is seen at once, and a right one can be trusted for the next launch.
 
 The device is the one the run trains on: a GPU of the device table by its name, or this machine measured by
-`zaya shapes` (its table for the run's precision); a CPU without a table gets the memory prediction only.
-The prediction never stops training: where it cannot be made, one line says why.
+`zaya shapes` (its table for the run's precision); a CPU without a table gets the memory prediction only. On a
+CPU the memory a rank has is the host's available memory shared by the node's ranks (processes).
+A prediction that cannot be made never stops training (one line says why); one that says the run does not fit
+its memory does, before anything is allocated, unless the user says otherwise (`zaya.plan.fit`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 
 import torch
 
-from zaya.device import accelerator_name, device_label, device_memory_bytes, is_accelerator
+from zaya.device import accelerator_name, device_label, is_accelerator, memory_available_bytes
 from zaya.errors import ZayaError
 from zaya.plan.devices import DeviceSpec, get_device, match_device
+from zaya.plan.fit import memory_problem
 from zaya.plan.planner import plan_run
 from zaya.train.run import ResolvedRun
 
@@ -28,8 +32,10 @@ class Forecast:
     """The prediction for a run, and what the run measures against it: the trainer calls `start` once, then
     `observe` with every step's metrics row."""
 
-    def __init__(self, plan, note: str = "", on_cpu: bool = False, failure: str = "") -> None:
+    def __init__(self, plan, note: str = "", on_cpu: bool = False, failure: str = "", run: ResolvedRun | None = None,
+                 table=None) -> None:
         self.plan, self.note, self.on_cpu, self.failure = plan, note, on_cpu, failure
+        self.run, self.table = run, table  # what the plan is of, for `over_memory`
         self.phase = 0
         self.rows: list[dict] = []
         self.done = plan is None
@@ -40,13 +46,23 @@ class Forecast:
         `zaya shapes` keeps this machine's table for the run's precision. A prediction that cannot be made is a
         one-line note, never an error: it must not stop a run."""
         try:
-            spec, table, note = _target(run, device, table_path)
+            spec, table, note = _target(run, device, table_path, gpus_per_node)
             plan = plan_run(run, spec, table, min(gpus_per_node, run.world_size))
         except ZayaError as exc:
             return cls(None, failure=f"plan: no prediction ({exc})")
         except Exception as exc:  # a bug in the prediction is reported, not raised
             return cls(None, failure=f"plan: no prediction ({type(exc).__name__}: {exc})")
-        return cls(plan, note, not is_accelerator(device))
+        return cls(plan, note, not is_accelerator(device), run=run, table=table)
+
+    def over_memory(self) -> str | None:
+        """One line if the plan says the run needs more memory than its device has (`zaya.plan.fit`), naming the
+        largest part and the smallest fix; None if it fits or there is no plan."""
+        if self.plan is None or self.run is None:
+            return None
+        try:
+            return memory_problem(self.plan, self.run, self.table)
+        except Exception:  # the search for a fix failed (a bug, reported by `zaya plan`): the verdict stands alone
+            return memory_problem(self.plan, self.run, self.table, fix=False)
 
     def start(self, phase: int) -> str:
         """The startup message, for a run that starts (or resumes) in `phase`."""
@@ -59,15 +75,18 @@ class Forecast:
     def startup(self) -> str:
         phase = self._phase()
         memory = phase.memory
-        text = (f"plan ({self.plan.device.name}): {memory.total / GB:.2f} GB per GPU (state "
+        device = self.plan.device
+        text = (f"plan ({device.name}): {memory.total / GB:.2f} GB per {device.unit} (state "
                 f"{(memory.parameters + memory.gradients + memory.optimizer_state) / GB:.2f}, activations "
                 f"{memory.activations / GB:.2f}, buffers {memory.communication_buffers / GB:.2f}) of "
-                f"{self.plan.device.memory_bytes / GB:.0f} GB")
+                f"{device.memory_bytes / GB:.{0 if device.memory_bytes >= 10 * GB else 1}f} GB"
+                f"{' available' if device.host else ''}")
         if self.note and not self.note.startswith(" "):
             return f"{text}; {self.note}"
         tokens = phase.batch_tokens / phase.time.total / phase.layout.gpus
-        return (f"{text}; step {phase.time.total:.3f} s{self.note}, {tokens:,.0f} tokens/s per GPU, "
-                f"{phase.traffic.total / GB:.3f} GB sent per GPU per step; phase '{phase.name}' {phase.hours:.1f} h")
+        return (f"{text}; step {phase.time.total:.3f} s{self.note}, {tokens:,.0f} tokens/s per {device.unit}, "
+                f"{phase.traffic.total / GB:.3f} GB sent per {device.unit} per step; phase '{phase.name}' "
+                f"{phase.hours:.1f} h")
 
     def observe(self, row: dict) -> str | None:
         """Take one step's metrics row; after `STEPS` full-batch steps, the comparison (once)."""
@@ -95,27 +114,33 @@ class Forecast:
                 f"(plan {phase.traffic.total / GB:.3f})")
         if not self.note or self.note.startswith(" "):
             text += (f"; step {seconds:.3f} s (plan {phase.time.total:.3f}, {phase.time.total / seconds - 1:+.0%}), "
-                     f"{tokens:,.0f} tokens/s per GPU")
+                     f"{tokens:,.0f} tokens/s per {self.plan.device.unit}")
         return text
 
 
-def _target(run: ResolvedRun, device: torch.device, table_path: Path):
-    """(DeviceSpec, measured table or None, note) for the device the run trains on."""
+def _target(run: ResolvedRun, device: torch.device, table_path: Path, processes: int = 1):
+    """(DeviceSpec, measured table or None, note) for the device the run trains on, `processes` ranks on this node.
+    A CPU's memory is what the host has available now, shared by those processes."""
     from zaya.plan.table import EfficiencyTable
 
+    host = not is_accelerator(device)
+    memory = memory_available_bytes(device) // max(1, min(processes, run.world_size)) if host else None
     if table_path.is_file():
         table = EfficiencyTable.load(table_path)
         if table.device.split(":")[0] == device.type:
             ns = "bf16" if run.optim.ns_dtype in ("bfloat16", "bf16") else "fp32"
             caveat = "" if ns == table.dtype else \
                 f" (its Newton-Schulz in {ns} is scaled from the {ns} peak: the table measured {table.dtype} GEMMs)"
-            return get_device("local", table), table, caveat
+            spec = get_device("local", table)
+            return (dataclasses.replace(spec, memory_bytes=memory, host=True) if host else spec), table, caveat
     name = accelerator_name(device)
     if name is not None:
         spec = match_device(name)
-        if spec is not None:
-            return spec, None, ""
+        if spec is not None:  # its published memory, or less where less is visible (a MIG slice)
+            visible = memory_available_bytes(device)
+            return dataclasses.replace(spec, memory_bytes=min(spec.memory_bytes, visible or spec.memory_bytes)), \
+                None, ""
     # no figures for this device: memory alone (its size is known), no time
-    spec = DeviceSpec("local", device_label(device), {"bf16": 1.0, "fp32": 1.0}, device_memory_bytes(device), 1.0,
-                      1.0, 1.0, 1, 1.0, ())
+    spec = DeviceSpec("local", device_label(device), {"bf16": 1.0, "fp32": 1.0},
+                      memory if host else memory_available_bytes(device), 1.0, 1.0, 1.0, 1, 1.0, (), host=host)
     return spec, None, f"no step-time prediction: `zaya shapes --dtype {run.precision}` measures this device"

@@ -73,14 +73,15 @@ def format_plan(plan) -> str:
     first = plan.first
     layout = first.layout
     memory = first.memory.to_dict()
+    unit = plan.device.unit  # a GPU, or on a CPU one process of the host
     lines = [
         f"plan of {plan.source} on {layout.gpus} x {plan.device.label} ({plan.device.name}), {plan.precision}",
         f"  layout: {layout.describe()}",
         f"  parameters: {plan.params.total:,} total, {plan.params.active:,} active, {plan.params.embedding:,} "
         f"embedding; {plan.flops_per_token / 1e9:.2f} GFLOP per token (training, seq {first.seq_len})",
         "",
-        f"memory per GPU (phase '{first.name}', micro-batch of {layout.micro_batch_size} x {first.seq_len // layout.cp}"
-        " tokens)",
+        f"memory per {unit} (phase '{first.name}', micro-batch of {layout.micro_batch_size} x "
+        f"{first.seq_len // layout.cp} tokens)",
     ]
     for key in ("parameters", "gradients", "optimizer_state", "master_weights", "activations", "transient",
                 "communication_buffers", "optimizer_workspace"):
@@ -95,7 +96,7 @@ def format_plan(plan) -> str:
                          f"({'fits' if phase.fits else 'does NOT fit'})")
     for problem in plan.problems:
         lines.append(f"  cannot run: {problem}")
-    lines += ["", f"communication per step and GPU ({first.micro_batches} micro-batch(es))"]
+    lines += ["", f"communication per step and {unit} ({first.micro_batches} micro-batch(es))"]
     for kind, nbytes in sorted(first.traffic.by_kind.items(), key=lambda item: -item[1]):
         lines.append(f"  {kind:<24}{_gb(nbytes)}")
     for dim, nbytes in first.traffic.by_dimension().items():
@@ -104,7 +105,7 @@ def format_plan(plan) -> str:
     lines += ["", "step time (predicted)"]
     for key in ("gemm", "attention", "elementwise", "overhead", "optimizer", "comm_exposed"):
         lines.append(f"  {key:<24}{parts[key]:12.4f} s")
-    lines.append(f"  {'total':<24}{parts['total']:12.4f} s: {data['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+    lines.append(f"  {'total':<24}{parts['total']:12.4f} s: {data['tokens_per_s_per_gpu']:,.0f} tokens/s per {unit}, "
                  f"MFU {data['mfu']:.1%}")
     lines += ["", f"{'phase':<16}{'seq_len':>8}{'cp':>4}{'steps':>12}{'tokens':>18}{'step s':>10}{'hours':>10}"]
     for phase in plan.phases:
@@ -190,7 +191,7 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
             click.echo(f"\nno layout of up to {MAX_GPUS:,} GPUs fits")
         else:
             click.echo(f"\nsmallest layout that fits: {smallest.layout.gpus} GPU(s), {describe(smallest)}: "
-                       f"{smallest.plan.first.memory.total / GB:.1f} GB per GPU, {smallest.hours:,.0f} hours")
+                       f"{smallest.plan.first.memory.total / GB:.1f} GB per {device.unit}, {smallest.hours:,.0f} hours")
 
 
 def _reason_kind(reason: str) -> str:

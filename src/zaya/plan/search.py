@@ -76,8 +76,8 @@ def evaluate(run: ResolvedRun, layout: Layout, device: DeviceSpec, table=None) -
         return Candidate(layout, plan, "; ".join(plan.problems))
     worst = max(plan.phases, key=lambda phase: phase.memory.total)
     if not worst.fits:
-        return Candidate(layout, plan, f"needs {worst.memory.total / 1e9:.1f} GB per GPU in phase '{worst.name}', "
-                                       f"the device has {device.memory_bytes / 1e9:.0f} GB")
+        return Candidate(layout, plan, f"needs {worst.memory.total / 1e9:.1f} GB per {device.unit} in phase "
+                                       f"'{worst.name}', the device has {device.memory_bytes / 1e9:.0f} GB")
     return Candidate(layout, plan, "")
 
 

@@ -4,7 +4,9 @@ weights it starts from.
 Every rank runs these checks on its own, inside the job's start-up check (`zaya.parallel.launch`), so that bad
 input stops every rank at once with one line: a dataset that is missing or does not fit the model's vocabulary,
 a checkpoint of a format this version cannot resume, data that changed since the checkpoint, weights to start
-from (`train.init_from`) that are missing or of another model's shape.
+from (`train.init_from`) that are missing or of another model's shape, and a checkpoint resumed or weights
+started from that were trained on another tokenizer than the data's (`zaya.tokenizer_source`: compared by
+content, refused unless `--allow-tokenizer-change`, which is then said in the log).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from zaya import checkpoint as ckpt
 from zaya.data.dataset_reader import open_dataset
 from zaya.data.tokenizer import TOKENIZER_FILE
 from zaya.errors import ZayaError
-from zaya.reading import read_bytes
 from zaya.run_dir import CHECKPOINTS_DIR
 from zaya.schema import Fields, shown
+from zaya.tokenizer_source import ALLOW_FLAG, check_same_tokenizer
 from zaya.train.checkpointing import Progress, check_skeleton
 from zaya.train.config import CheckpointSection
 from zaya.train.run import ResolvedRun
@@ -152,37 +154,50 @@ def recorded_precision(checkpoint: Path | None) -> str | None:
     return precision if isinstance(precision, str) and precision in PRECISIONS else None
 
 
-def init_source(run: ResolvedRun, resume_from: Path | None) -> tuple[WeightSource | None, list[str]]:
+def init_source(run: ResolvedRun, resume_from: Path | None,
+                allow_tokenizer_change: bool = False) -> tuple[WeightSource | None, list[str]]:
     """The weights a fresh run starts from (`train.init_from`, or its first phase's), checked against the run's
-    model, and a note for each setting that differs without changing a shape; None for a run that resumes or
-    starts at random."""
+    model and the first phase's data (the same tokenizer, unless `allow_tokenizer_change`), and a note for each
+    setting that differs without changing a shape; None for a run that resumes or starts at random."""
     path, key = run.train.init_from, INIT_KEY
     if not path and run.phases[0].init_from:
         path, key = run.phases[0].init_from, "phases.0.init_from"
     if not path or resume_from is not None:
         return None, []
-    return _open_source(path, key, run)
+    return _open_source(path, key, run, 0, allow_tokenizer_change)
 
 
-def phase_sources(run: ResolvedRun, resume_from: Path | None) -> tuple[dict[int, WeightSource], list[str]]:
+def phase_sources(run: ResolvedRun, resume_from: Path | None,
+                  allow_tokenizer_change: bool = False) -> tuple[dict[int, WeightSource], list[str]]:
     """The weights each later phase starts from (`init_from` of a phase after the first), by phase index, for the
-    phases still ahead of the run; opened and checked now, so that a bad path stops the run before it trains,
-    not at the phase's start hours later."""
+    phases still ahead of the run; opened and checked now (against the model and the phase's data), so that a
+    bad path or another tokenizer stops the run before it trains, not at the phase's start hours later."""
     reached = saved_phase(resume_from, len(run.phases))
     sources, notes = {}, []
     for index, phase in enumerate(run.phases):
         if index > 0 and phase.init_from and index > reached:
-            sources[index], said = _open_source(phase.init_from, f"phases.{index}.init_from", run)
+            sources[index], said = _open_source(phase.init_from, f"phases.{index}.init_from", run, index,
+                                                allow_tokenizer_change)
             notes += said
     return sources, notes
 
 
-def _open_source(path: str, key: str, run: ResolvedRun) -> tuple[WeightSource, list[str]]:
+def _open_source(path: str, key: str, run: ResolvedRun, phase: int,
+                 allow_tokenizer_change: bool) -> tuple[WeightSource, list[str]]:
     try:
         source = WeightSource.open(path)
     except ZayaError as exc:
         raise ZayaError(f"{key}: {exc}") from None
-    return source, source.check_fits(run.model, key)
+    notes = source.check_fits(run.model, key)
+    carried = source.tokenizer
+    for data in dict.fromkeys(open_dataset(s.path).tokenizer_path for s in run.phases[phase].sources):
+        said = check_same_tokenizer(key, source.path, carried, data, allow=allow_tokenizer_change,
+                                    fix=f"build the data with --tokenizer {path}, or pass {ALLOW_FLAG}")
+        if said is not None:
+            notes.append(said)
+        if carried is None:
+            break  # one note says it
+    return source, notes
 
 
 def saved_phase(checkpoint: Path | None, phases: int) -> int:
@@ -196,9 +211,9 @@ def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: 
                  allow_tokenizer_change: bool = False) -> tuple[list[str], dict[str, list[str]]]:
     """Every phase's datasets exist and fit the model's vocabulary; a checkpoint to resume is of this format
     version, was trained on the same data (unless `allow_data_change`) and with the same tokenizer (unless
-    `allow_tokenizer_change`: other ids for the same text make the trained model a stranger to its data).
-    Returns warnings (a model vocabulary larger than the data's needs: rows that are never trained) and each
-    phase's dataset fingerprints."""
+    `allow_tokenizer_change`: other ids for the same text make the trained model a stranger to its data; compared
+    by content, and said when allowed). Returns warnings (a model vocabulary larger than the data's needs: rows
+    that are never trained) and each phase's dataset fingerprints."""
     fingerprints, tokenizers, notes = {}, {}, []
     for phase in run.phases:
         for source in phase.sources:
@@ -206,15 +221,23 @@ def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: 
                 raise ZayaError(f"{source.path}: no such dataset directory (paths are relative to {Path.cwd()}); "
                                 f"build it with: zaya data build --input YOUR_TEXT_FILES_OR_DIRS --out {source.path}")
         datasets = [open_dataset(source.path) for source in phase.sources]  # clear errors if anything else is wrong
+        started = _starts_from(run)
         for dataset in datasets:
+            if started and dataset.max_token_id >= run.model.vocab_size:
+                # a larger model would not load those weights: the data is what does not fit
+                raise ZayaError(f"{dataset.path}: token id {dataset.max_token_id} does not fit the vocabulary of "
+                                f"{run.model.vocab_size} that the weights of {started[0]} have: the data was built "
+                                f"with another tokenizer than theirs; build it with --tokenizer {started[1]}")
             dataset.check_vocab(run.model.vocab_size)
         largest = max(dataset.vocab_size for dataset in datasets)
         fitted = -(-largest // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         if fitted < run.model.vocab_size and not notes:
-            notes.append(f"warning: model.vocab_size is {run.model.vocab_size}, but the data's tokenizer has "
-                         f"{largest} tokens ({datasets[0].path}): {run.model.vocab_size - largest} embedding rows "
-                         f"will never be trained; set model.vocab_size = {fitted} (the data's, rounded up to a "
-                         f"multiple of {VOCAB_MULTIPLE}) to save them")
+            unused = (f"model.vocab_size is {run.model.vocab_size}, but the data's tokenizer has {largest} tokens "
+                      f"({datasets[0].path}): {run.model.vocab_size - largest} embedding rows will never be trained")
+            # weights to start from fix the vocabulary: another size would be a model of another shape
+            notes.append(f"note: {unused}; they come with the weights of {started[0]}, whose shape the run keeps"
+                         if started else f"warning: {unused}; set model.vocab_size = {fitted} (the data's, rounded "
+                         f"up to a multiple of {VOCAB_MULTIPLE}) to save them")
         fingerprints[phase.name] = [dataset.fingerprint for dataset in datasets]
         tokenizers[phase.name] = datasets[0].tokenizer_path
     if resume_from is None:
@@ -232,12 +255,20 @@ def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: 
                             f"gives {now[0][:12]}...; pass --allow-data-change to continue anyway")
     trained_with = resume_from / TOKENIZER_FILE
     phase = run.phases[min(saved.progress.phase, len(run.phases) - 1)]
-    if trained_with.is_file() and not allow_tokenizer_change:
-        now = tokenizers[phase.name]
-        if read_bytes(trained_with, "tokenizer") != read_bytes(now, "tokenizer"):
-            raise ZayaError(f"{resume_from}: the run was trained with another tokenizer than {now} (the same "
-                            "text becomes other token ids); pass --allow-tokenizer-change to continue anyway")
+    if trained_with.is_file():  # a checkpoint older than the tokenizer in it has nothing to compare
+        said = check_same_tokenizer("resume", resume_from, trained_with, tokenizers[phase.name],
+                                    allow=allow_tokenizer_change, fix=f"pass {ALLOW_FLAG} to continue anyway")
+        if said is not None:
+            notes.append(said)
     return notes, fingerprints
+
+
+def _starts_from(run: ResolvedRun) -> tuple[str, str] | None:
+    """The config key and path of the first weights the run starts from (`train.init_from`, a phase's), if any."""
+    if run.train.init_from:
+        return INIT_KEY, run.train.init_from
+    return next(((f"phases.{i}.init_from", phase.init_from) for i, phase in enumerate(run.phases)
+                 if phase.init_from), None)
 
 
 def check_ranks_agree(run: ResolvedRun, gather: Callable[[str, str], list[str]],
