@@ -227,7 +227,7 @@ def test_a_storage_error_deep_in_a_failure_is_the_line(tmp_path, cli, monkeypatc
     # simulated: the disk's error raised where the builder writes, under a wrapper of its own
     import errno
 
-    import zaya.data.cli as data_cli
+    import zaya.data_cli as data_cli
 
     target = tmp_path / "data" / "train.00000.bin"
 

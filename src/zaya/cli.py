@@ -475,7 +475,7 @@ def launch(args: tuple[str, ...]) -> None:
 
 def _mount_subsystem_groups() -> None:
     # Subsystems own their command groups; they join the top-level command here.
-    from zaya.data.cli import data as data_group
+    from zaya.data_cli import data as data_group
     from zaya.plan.plan_cli import plan
     from zaya.plan.shapes_cli import shapes
     from zaya.resilience.diagnose_cli import diagnose

@@ -69,7 +69,7 @@ def test_builds_are_deterministic_across_workers_places_and_processes(tmp_path, 
     for name in names:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
     # a third build in a fresh interpreter trains its own tokenizer: BPE training is deterministic too
-    script = "import sys; from zaya.data.cli import data; data.main(sys.argv[1:], standalone_mode=False)"
+    script = "import sys; from zaya.data_cli import data; data.main(sys.argv[1:], standalone_mode=False)"
     subprocess.run([sys.executable, "-c", script, "build", "--input", str(root), "--out", str(tmp_path / "three"),
                     "--vocab-size", "300", "--val-fraction", "0.2", "--no-progress"],
                    check=True, capture_output=True)

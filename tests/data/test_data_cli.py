@@ -3,7 +3,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from zaya.data.cli import data
+from zaya.data_cli import data
 from zaya.data.dataset_reader import open_dataset
 from zaya.errors import ZayaError
 

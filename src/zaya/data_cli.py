@@ -97,7 +97,7 @@ def build(inputs, more_inputs, out, data_format, chat_template, reserve_chat_mar
     if tokenizer is not None and vocab_size is not None:
         raise ZayaError("give --tokenizer or --vocab-size, not both")
     if tokenizer is not None:
-        from zaya.tokenizer_source import tokenizer_file  # a run's: the command line reaches above data/
+        from zaya.tokenizer_source import tokenizer_file  # a run directory's too: through zaya.weights
 
         tokenizer = tokenizer_file(tokenizer)
     options = BuildOptions(
