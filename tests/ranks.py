@@ -311,3 +311,14 @@ def torchrun(*args: str, nproc: int, timeout: float = 300.0,
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "zaya.cli", *args]
     return run_command(command, timeout=timeout, env={"OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def wait_for(what: Callable[[], bool], process: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+    """Wait until `what()` holds for a command started in a session of its own that writes `log`; if it exits
+    first or `timeout` passes, kill its session and fail with the end of its log."""
+    deadline = time.monotonic() + timeout
+    while not what():
+        if time.monotonic() > deadline or process.poll() is not None:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise AssertionError(f"not within {timeout} s (exit {process.poll()}): {log.read_text()[-4000:]}")
+        time.sleep(0.05)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ranks import wait_for
 from runs import committed_step, write_config
 from zaya.errors import ZayaError
 from zaya.launcher import torchrun_args
@@ -78,14 +79,6 @@ def _launch(config: Path, run: Path, stderr: Path, faults: str) -> subprocess.Po
                                 env={**os.environ, "OMP_NUM_THREADS": "1", "ZAYA_FAULTS": faults})
 
 
-def _wait_for(what, process: subprocess.Popen, stderr: Path, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not what():
-        if time.monotonic() > deadline or process.poll() is not None:
-            os.killpg(process.pid, signal.SIGKILL)
-            raise AssertionError(f"not within {timeout} s (exit {process.poll()}): {stderr.read_text()[-4000:]}")
-        time.sleep(0.05)
-
 
 def _end(process: subprocess.Popen, timeout: float = 120) -> str:
     try:
@@ -114,7 +107,7 @@ def test_a_signal_to_the_launcher_stops_the_workers_with_a_checkpoint_in_one_lin
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 60}, checkpoint={"every": 50})
     run, stderr = tmp_path / "run", tmp_path / "stderr.txt"
     process = _launch(config, run, stderr, "slow=0.3@step:0")  # 0.3 s a step at least: it cannot end first
-    _wait_for(lambda: any(r["step"] >= 2 for r in read_metrics(run)), process, stderr)
+    wait_for(lambda: any(r["step"] >= 2 for r in read_metrics(run)), process, stderr, timeout=180)
     process.send_signal(sig)
     out = _end(process)
     err = stderr.read_text()
@@ -134,9 +127,9 @@ def test_a_second_ctrl_c_reaches_the_workers_which_abort_at_once(dataset, tmp_pa
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 6}, checkpoint={"every": 1})
     run, stderr = tmp_path / "run", tmp_path / "stderr.txt"
     process = _launch(config, run, stderr, "block@step:2")  # both ranks block in step 2, which cannot end
-    _wait_for(lambda: stderr.read_text().count("zaya fault: block at step 2") == 2, process, stderr)
+    wait_for(lambda: stderr.read_text().count("zaya fault: block at step 2") == 2, process, stderr, timeout=180)
     process.send_signal(signal.SIGINT)
-    _wait_for(lambda: INTERRUPT_SAID in stderr.read_text(), process, stderr)
+    wait_for(lambda: INTERRUPT_SAID in stderr.read_text(), process, stderr, timeout=180)
     signalled = time.monotonic()
     process.send_signal(signal.SIGINT)
     _end(process, timeout=60)

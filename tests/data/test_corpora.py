@@ -20,10 +20,10 @@ from zaya.data import compressed as compressed_module
 from zaya.data import json_array as json_array_module
 from zaya.data import records as records_module
 from zaya.data.build import BuildOptions, build_dataset
-from zaya.data_cli import data
 from zaya.data.corpus import ReadOptions, Selection, discover, location, read_piece, split_file
 from zaya.data.dataset_reader import open_dataset
 from zaya.data.shards import BUILD_FILE
+from zaya.data_cli import data
 from zaya.errors import ZayaError
 
 pa = pytest.importorskip("pyarrow")

@@ -3,8 +3,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from zaya.data_cli import data
 from zaya.data.dataset_reader import open_dataset
+from zaya.data_cli import data
 from zaya.errors import ZayaError
 
 

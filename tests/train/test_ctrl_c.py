@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ranks import wait_for
 from runs import assert_same_run, committed_step, write_config
 from zaya.config import load_config
 from zaya.errors import EXIT_PREEMPTED
@@ -48,14 +49,6 @@ def _train(config: Path, run: Path, log: Path, env: dict[str, str]) -> subproces
                                 env={**os.environ, **env}, start_new_session=True)
 
 
-def _wait_for(what, process: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not what():
-        if time.monotonic() > deadline or process.poll() is not None:
-            os.killpg(process.pid, signal.SIGKILL)
-            raise AssertionError(f"not within {timeout} s (exit {process.poll()}): {log.read_text()[-4000:]}")
-        time.sleep(0.05)
-
 
 def _end(process: subprocess.Popen, timeout: float = 120) -> str:
     try:
@@ -73,7 +66,7 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_the_resumed_run_is_th
     run, log = tmp_path / "resumed", tmp_path / "stderr.txt"
     # every step takes 0.2 s at least, so that Ctrl-C lands before the last step on any machine
     process = _train(config, run, log, {"ZAYA_FAULTS": "slow=0.2@step:0"})
-    _wait_for(lambda: any(r["step"] >= 2 for r in read_metrics(run)), process, log)
+    wait_for(lambda: any(r["step"] >= 2 for r in read_metrics(run)), process, log)
     process.send_signal(signal.SIGINT)
     out = _end(process)
     err = log.read_text()
@@ -94,9 +87,9 @@ def test_a_second_ctrl_c_aborts_at_once_and_keeps_the_last_checkpoint(dataset, t
     config = write_config(tmp_path / "run.toml", dataset, train={"max_steps": 6}, checkpoint={"every": 1})
     run, log = tmp_path / "run", tmp_path / "stderr.txt"
     process = _train(config, run, log, {"ZAYA_FAULTS": "block@step:2"})
-    _wait_for(lambda: "zaya fault: block at step 2" in log.read_text(), process, log)
+    wait_for(lambda: "zaya fault: block at step 2" in log.read_text(), process, log)
     process.send_signal(signal.SIGINT)
-    _wait_for(lambda: INTERRUPT_SAID in log.read_text(), process, log)
+    wait_for(lambda: INTERRUPT_SAID in log.read_text(), process, log)
     signalled = time.monotonic()
     process.send_signal(signal.SIGINT)
     _end(process, timeout=60)
