@@ -18,6 +18,7 @@ from ranks import wait_for
 from runs import committed_step, write_config
 from zaya.errors import ZayaError
 from zaya.launcher import torchrun_args
+from zaya.resilience.processes import descendants
 from zaya.train.metrics import read_metrics
 from zaya.train.stops import INTERRUPT_SAID
 
@@ -84,15 +85,9 @@ def _end(process: subprocess.Popen, timeout: float = 120) -> str:
     try:
         return process.communicate(timeout=timeout)[0]
     finally:  # the launcher, and any worker it left behind (each in a session of its own)
-        for pid in [process.pid, *_children(process.pid)]:
+        for pid in [process.pid, *descendants(process.pid)]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-
-
-def _children(pid: int) -> list[int]:
-    from zaya.resilience.processes import descendants
-
-    return descendants(pid)
 
 
 def _one_line(err: str) -> str:

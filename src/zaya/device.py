@@ -5,6 +5,7 @@ ROCm builds of PyTorch expose AMD GPUs through the `torch.cuda` namespace, so "c
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -347,8 +348,6 @@ def device_memory_bytes(device: torch.device) -> int:
     """Total memory of `device`: the accelerator's, or the host's RAM for the CPU (0 if unknown)."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    import os
-
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
@@ -384,8 +383,6 @@ def memory_available_bytes(device: torch.device) -> int:
         except (OSError, ValueError):
             continue
     if not figures:
-        import os
-
         try:
             figures.append(int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")))
         except (ValueError, OSError, AttributeError):

@@ -130,7 +130,7 @@ class TokenLoader:
                 raise ZayaError(f"{dataset.path}: the {split} split has {tokens.num_tokens} tokens, fewer than "
                                 f"one sample of seq_len + 1 = {seq_len + 1}")
         self.order = GlobalOrder(
-            [OrderSource(_num_windows(t, seq_len), w, d.fingerprint)
+            [OrderSource(num_windows(t.num_tokens, seq_len), w, d.fingerprint)
              for d, t, w in zip(self.datasets, self._splits, self.weights, strict=True)],
             seed, block_size, group_blocks,
         )
@@ -287,7 +287,7 @@ class TokenLoader:
             raise ZayaError(f"eval batch size {batch_size} must be a positive multiple of the world size "
                             f"{self.world_size}")
         splits = [d.split(split) for d in self.datasets]
-        counts = np.array([_num_windows(t, self.seq_len) for t in splits], dtype=np.int64)
+        counts = np.array([num_windows(t.num_tokens, self.seq_len) for t in splits], dtype=np.int64)
         num_batches = int(counts.sum()) // batch_size
         if num_batches == 0:
             raise ZayaError(f"the {split} split has {int(counts.sum())} windows of {self.seq_len + 1} tokens, "
@@ -338,8 +338,10 @@ def _gather(splits: Sequence[SplitTokens], sources: np.ndarray, samples: np.ndar
     return out, masks
 
 
-def _num_windows(tokens: SplitTokens, seq_len: int) -> int:
-    return max(0, (tokens.num_tokens - 1) // seq_len)
+def num_windows(num_tokens: int, seq_len: int) -> int:
+    """Windows of `seq_len + 1` tokens that `num_tokens` consecutive tokens give, each sharing its edge token with
+    the next: what an evaluation takes of a split."""
+    return max(0, (num_tokens - 1) // seq_len)
 
 
 def _non_negative(value: object, name: str) -> int:

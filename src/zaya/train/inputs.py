@@ -215,13 +215,13 @@ def check_inputs(run: ResolvedRun, resume_from: Path | None, allow_data_change: 
     by content, and said when allowed). Returns warnings (a model vocabulary larger than the data's needs: rows
     that are never trained) and each phase's dataset fingerprints."""
     fingerprints, tokenizers, notes = {}, {}, []
+    started = _starts_from(run)
     for phase in run.phases:
         for source in phase.sources:
             if not Path(source.path).exists():
                 raise ZayaError(f"{source.path}: no such dataset directory (paths are relative to {Path.cwd()}); "
                                 f"build it with: zaya data build --input YOUR_TEXT_FILES_OR_DIRS --out {source.path}")
         datasets = [open_dataset(source.path) for source in phase.sources]  # clear errors if anything else is wrong
-        started = _starts_from(run)
         for dataset in datasets:
             if started and dataset.max_token_id >= run.model.vocab_size:
                 # a larger model would not load those weights: the data is what does not fit

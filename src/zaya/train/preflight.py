@@ -13,16 +13,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from zaya.data.dataset_reader import Dataset, open_dataset
+from zaya.data.loader import num_windows
 from zaya.errors import ZayaError
 from zaya.train.run import ResolvedRun
 
 
 def split_windows(dataset: Dataset, split: str, seq_len: int) -> tuple[int, int]:
-    """(tokens, windows of `seq_len + 1` tokens) of a dataset's split, as the loader cuts them (consecutive
-    windows that share their edge token); (0, 0) for a split the dataset does not have."""
+    """(tokens, windows of `seq_len + 1` tokens) of a dataset's split, as the loader cuts them; (0, 0) for a split
+    the dataset does not have."""
     entry = dataset.entries.get(split)
     tokens = 0 if entry is None else entry.num_tokens
-    return tokens, max(0, (tokens - 1) // seq_len)
+    return tokens, num_windows(tokens, seq_len)
 
 
 def eval_split_problem(datasets: list[Dataset], split: str, seq_len: int, batch: int) -> str | None:
