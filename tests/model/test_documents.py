@@ -4,7 +4,7 @@ both convolutions, the value shift and RoPE all stop at a document's start), for
 import pytest
 import torch
 
-from zaya.model.documents import attention_mask, document_positions
+from zaya.model.documents import document_positions, packed_documents
 
 EOS = 1
 
@@ -20,9 +20,6 @@ def _documents(lengths, vocab, seed):
 def test_positions_count_from_each_document_start():
     ids = torch.tensor([[5, 1, 7, 8, 1, 1, 9], [4, 4, 4, 4, 4, 4, 1]])
     assert document_positions(ids, EOS).tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 1, 2, 3, 4, 5, 6]]
-    mask = attention_mask(document_positions(ids, EOS))[0, 0]
-    assert mask[3].tolist() == [False, False, True, True, False, False, False]
-    assert mask[5].tolist() == [False] * 5 + [True, False]
 
 
 # lengths: a one-token document, one longer than the short-input contraction, a row ending mid-document
@@ -37,7 +34,7 @@ def test_a_packed_row_computes_each_document_alone(make_model, lengths):
     other = docs[:-1][::-1] + docs[-1:]  # the whole documents in another order
     rows = torch.stack([torch.cat(docs), torch.cat(other)])
     weight = torch.randn(rows.shape[1], model.config.hidden_size, dtype=torch.float64)
-    packed = model.hidden_states(rows, documents=document_positions(rows, EOS))
+    packed = model.hidden_states(rows, documents=packed_documents(rows, EOS))
     (packed[0] * weight).sum().backward()
     packed_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -58,5 +55,5 @@ def test_one_document_per_row_is_the_plain_forward(make_model):
     model = make_model("micro")
     ids = torch.randint(3, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(model.hidden_states(ids, documents=document_positions(ids, EOS)),
+        torch.testing.assert_close(model.hidden_states(ids, documents=packed_documents(ids, EOS)),
                                    model.hidden_states(ids), rtol=0, atol=1e-5)

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from zaya.model.config import ZayaConfig
-from zaya.model.documents import attention_mask
+from zaya.model.documents import Documents
 from zaya.model.layers import apply_rotary
+from zaya.model.packed_attention import packed_attention
 
 _SHORT_INPUT = 8  # tokens up to which the convolutions run as a direct contraction
 
@@ -208,8 +209,9 @@ class CompressedConvAttention(nn.Module):
         `value_past` (the last W_vdel x, [B, 1, n_k d / 2]); None means the sequence starts here.
         `weights` are `derived_weights()`, when the caller has them. With a `sequence` shard, x holds its
         segments and the states before each come from `sequence.exchange_halo` (the two pasts must be None).
-        `documents`: each token's position in its packed document [B, T] (`zaya.model.documents`), for a whole
-        sequence (no pasts, no shard).
+        `documents`: each token's position in its packed document [B, T] (`zaya.model.documents`): with a
+        `sequence` shard, of x's tokens (a segment's first tokens reach back into the halo only as far as their
+        document does); no pasts.
 
         Returns q [B, n_q, T, d], k and v [B, n_k, T, d], and the two states after these tokens.
         """
@@ -246,7 +248,8 @@ class CompressedConvAttention(nn.Module):
         # 3. the causal convolutions over p_t = [q~_t | k~_t]; their state is the last P vectors of p
         past = p.new_zeros(rows, P, Q + K) if conv_past is None else conv_past.to(dtype)
         p_ext = torch.cat([past, p_rows], dim=1)
-        z = self._convolve(p_ext, L, M, c, documents).to(dtype).reshape(B, T, Hq + Hk, d)
+        reach = None if documents is None else documents.reshape(rows, L)
+        z = self._convolve(p_ext, L, M, c, reach).to(dtype).reshape(B, T, Hq + Hk, d)
 
         # 4. add the mean-shared residuals back: q and k heads side by side, [B, T, Hq + Hk, d]
         qk = z + mu
@@ -274,20 +277,23 @@ class CompressedConvAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         cache: AttentionCache | None = None,
         sequence: SequenceShard | None = None,
-        documents: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """`rope` is (cos, sin, partner) from `RotaryEmbedding` for the positions of x's tokens. With a
         `sequence` shard, x is this device's part of a sequence; a `cache` then keeps this part's keys and
-        values (a sharded prefill). `documents`: x holds packed documents, each token's position in its
-        document [B, T] (`zaya.model.documents`); then with neither a cache nor a shard."""
+        values (a sharded prefill). `documents`: x holds packed documents (`zaya.model.documents.Documents`),
+        without a decode cache; with a shard, the shard's attention keeps them apart."""
         B, T, _ = x_BTD.shape
-        if documents is not None and (cache is not None or sequence is not None):
-            raise ValueError("packed documents are for whole sequences: neither a decode cache nor a shard")
+        if documents is not None and cache is not None:
+            raise ValueError("packed documents are for training and evaluation: not with a decode cache")
+        if documents is not None and sequence is None and documents.segments is None:
+            raise ValueError("packed documents on one device need their attention's segments")
         conv_past, value_past = (cache.conv_state, cache.value_state) if cache is not None else (None, None)
         if sequence is not None:
             conv_past = value_past = None
+        positions = None if documents is None else documents.positions
         q, k, v, conv_state, value_state = self.project(x_BTD, rope, conv_past, value_past, sequence=sequence,
-                                                         documents=documents)
+                                                         documents=positions)
         past_len = 0
         if cache is not None:
             cache.conv_state, cache.value_state = conv_state.detach(), value_state.detach()
@@ -301,7 +307,8 @@ class CompressedConvAttention(nn.Module):
         if sequence is not None:
             out = sequence.attention(q, k, v)
         elif documents is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(documents), enable_gqa=True)
+            first = torch.arange(T, device=positions.device) - positions
+            out = packed_attention(q, k, v, documents.segments, first)
         else:
             out = _causal_attention(q, k, v, past_len)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))

@@ -9,7 +9,8 @@ every token after a separator). Then, per layer (spec section 4's steps):
     convolutions (3)      p_{t-j} reaches z_t only if j <= pos_t: the packed vectors before a document's start
                           count as the zero padding before a sequence's start
     value shift (5)       x_{t-1} reaches v_t only if pos_t >= 1
-    attention (8)         t attends to s only if s_t <= s <= t
+    attention (8)         t attends to s only if s_t <= s <= t   (`zaya.model.masks`: never a [T, T] mask; the
+                          work follows the documents, about sum(len_i^2) / 2)
 
 The MoE sublayer and the router's depth averaging are per token already. So a document's outputs equal those of
 a forward over that document alone, up to the order of floating-point sums.
@@ -17,7 +18,31 @@ a forward over that document alone, up to the order of floating-point sums.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from zaya.model.masks import DocumentLayout
+
+
+class Documents(NamedTuple):
+    """Packed documents as the model's layers take them: `positions` [B, T], each token's position in its
+    document, on the model's device (RoPE, the convolutions' reach, the value shift); and `segments` [n, 6], the
+    attention's plan (`DocumentLayout.segments`), on the host; None where a context-parallel sequence shard
+    plans its attention itself."""
+
+    positions: torch.Tensor
+    segments: torch.Tensor | None
+
+
+def packed_documents(input_ids: torch.Tensor, separator: int, host_ids: torch.Tensor | None = None,
+                     window: int | None = None) -> Documents:
+    """`Documents` of token ids [B, T] whose documents each end with `separator`. The plan is made from
+    `host_ids`, the same ids on the host (a trainer has them there before the copy to the device); without them
+    it reads `input_ids` back from the device."""
+    host = input_ids.cpu() if host_ids is None else host_ids
+    segments = DocumentLayout.from_tokens(host, separator, window).segments()
+    return Documents(document_positions(input_ids, separator), torch.from_numpy(segments))
 
 
 def document_positions(input_ids: torch.Tensor, separator: int) -> torch.Tensor:
@@ -30,10 +55,3 @@ def document_positions(input_ids: torch.Tensor, separator: int) -> torch.Tensor:
     starts[:, 0] = True
     first = torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
     return t - first
-
-
-def attention_mask(positions: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, T] bool: query t may attend to key s (causal, inside t's document), from `document_positions`."""
-    t = torch.arange(positions.shape[1], device=positions.device)
-    first = t - positions  # [B, T]: where each query's document starts
-    return ((t[None, None, :] >= first[:, :, None]) & (t[None, None, :] <= t[None, :, None]))[:, None]

@@ -19,6 +19,7 @@ from torch import nn
 
 from zaya.model.attention import AttentionCache, CompressedConvAttention, DecodeCache, SequenceShard
 from zaya.model.config import ZayaConfig
+from zaya.model.documents import Documents
 from zaya.model.groups import ParameterGroup, parameter_groups
 from zaya.model.layers import EmbeddingScaling, ResidualScaling, RMSNorm, RotaryEmbedding
 from zaya.model.loss import linear_cross_entropy
@@ -79,10 +80,10 @@ class ZayaBlock(nn.Module):
         sequence: SequenceShard | None = None,
         *,
         measure: bool = False,
-        documents: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The new stream, the router state, and with `measure` the routing's statistics (`RouterStats.measure`).
-        `documents`: h holds packed documents, each token's position in its own [B, T] (`zaya.model.documents`)."""
+        `documents`: h holds packed documents (`zaya.model.documents.Documents`)."""
         a = self.attn(self.attn_norm(h), rope, cache, sequence, documents)
         h, routing = self._after_attention(a, h, router_state)
         return h, routing.state, RouterStats.measure(routing) if measure else None
@@ -193,15 +194,15 @@ class Zaya(nn.Module):
         router_stats: RouterStats | None = None,
         sequence: SequenceShard | None = None,
         positions: torch.Tensor | None = None,
-        documents: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """The final-normed hidden states [B, T, D], before the tied LM head. With a `sequence` shard the ids
         are this device's part of a longer sequence, at global `positions` [T]. With `documents` each row holds
-        packed documents, computed as if alone: each token's position in its document [B, T]
-        (`zaya.model.documents.document_positions`), which are also its RoPE positions."""
+        packed documents, computed as if alone (`zaya.model.documents.Documents`; with a shard, of its tokens):
+        each token's position in its document is also its RoPE position."""
         T = input_ids.shape[1]
         if documents is not None:
-            positions = documents
+            positions = documents.positions
         elif positions is None:
             past = cache.length if cache is not None else 0
             positions = torch.arange(past, past + T, device=input_ids.device)
@@ -232,7 +233,7 @@ class Zaya(nn.Module):
         chunk_rows: int | None = None,
         sequence: SequenceShard | None = None,
         positions: torch.Tensor | None = None,
-        documents: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """Mean next-token cross-entropy of `targets` [B, T] (-100 = ignored), without materialising logits.
         With a `sequence` shard: over this device's part of the sequence (ids, targets and their positions).

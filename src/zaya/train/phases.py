@@ -22,7 +22,7 @@ import torch
 from zaya.data.loader import TokenLoader
 from zaya.data.loss_mask import inputs_and_targets
 from zaya.errors import ZayaError
-from zaya.model.documents import document_positions
+from zaya.model.documents import packed_documents
 from zaya.model.flops import training_flops_per_token
 from zaya.model.loss import IGNORE_INDEX
 from zaya.model.transformer import RouterStats, Zaya
@@ -134,7 +134,7 @@ class Curriculum:
         inputs, targets = inputs_and_targets(micro, IGNORE_INDEX)
         cp = self.sequence
         if cp is None:
-            documents = None if self.separator is None else document_positions(inputs, self.separator)
+            documents = None if self.separator is None else packed_documents(inputs, self.separator)
             return model.loss(inputs, targets, router_stats=stats, documents=documents), 1.0
         valid = targets != IGNORE_INDEX
         inputs, targets = cp.shard(inputs), cp.shard(targets)

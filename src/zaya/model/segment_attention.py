@@ -1,0 +1,191 @@
+"""Softmax attention over the segments of a mask (`zaya.model.masks`): one fused kernel call per segment, each
+giving a partial (output, log-sum-exp) that is merged in fp32 (fp64 for fp64 inputs) in the stable form
+
+    lse = logaddexp(lse_a, lse_b),   o = o_a exp(lse_a - lse) + o_b exp(lse_b - lse).
+
+Backward recomputes each segment's probabilities from the saved global log-sum-exp, P = exp(S - lse), and with
+delta = rowsum(dO * O) forms dV = P^T dO, dS = P (dO V^T - delta), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d):
+a segment's gradient needs nothing from the other segments but lse and delta, so one device's segments and
+those of a context-parallel rank's chunk pairs (`zaya.parallel.cp_attention`) run the same code.
+
+Grouped-query attention is done in place: the g query heads of a KV head are a batch dimension of its scores,
+so keys and values are never repeated outside a fused kernel's call. Where the device has no fused kernel that
+returns its log-sum-exp (`zaya.device.fused_block_attention`), the scores are formed explicitly, a tile of
+queries at a time, so that no [T, T] tensor is formed for a long document either.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zaya.device import fused_block_attention
+from zaya.model.masks import CAUSAL, MASKED, allowed
+
+# The fused kernels want keys and values repeated to every query head: a copy of the block, worth its cost only
+# when enough queries share it (a decode step's one query would copy the whole cache shard for it).
+_FUSED_MIN_QUERIES = 32
+_EXPLICIT_TILE = 1024  # queries whose scores the explicit path forms at once
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial outputs and log-sum-exps are kept and merged in."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- one block ------------------------------------------------------------------------------------------
+
+def _scores(q5: Tensor, k: Tensor, causal: bool, scale: float, mask: Tensor | None) -> Tensor:
+    """Scores [B, Hk, g, Lq, Lk] of q5 [B, Hk, g, Lq, d] against k [B, Hk, Lk, d]: -inf above the diagonal
+    when `causal` (queries and keys end together), and where `mask` [Lq, Lk] is False."""
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q5, k).to(acc_dtype(q5.dtype)) * scale
+    Lq, Lk = s.shape[-2:]
+    if causal:
+        s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=s.device).triu(Lk - Lq + 1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
+
+
+def _fused_operands(q5: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, Hq, Lq, d] and k, v repeated to Hq heads: the layout of the fused kernels."""
+    B, Hk, g, Lq, d = q5.shape
+    return q5.reshape(B, Hk * g, Lq, d), k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _use_fused(q5: Tensor, k: Tensor, causal: bool):
+    """The fused (forward, backward) pair, if it may take this block: enough queries, and a causal block only
+    as a square (the kernels align their causal mask at the top left)."""
+    fused = fused_block_attention(q5.device)
+    if fused is None or q5.shape[3] < _FUSED_MIN_QUERIES or k.shape[2] == 0:
+        return None
+    if causal and q5.shape[3] != k.shape[2]:
+        return None
+    return fused
+
+
+def _tiles(q5: Tensor, k: Tensor, causal: bool, mask: Tensor | None):
+    """(query slice, key slice, causal, mask) tiles of at most `_EXPLICIT_TILE` queries for the explicit path:
+    a causal block's tile sees the keys up to its last query."""
+    Lq, Lk = q5.shape[3], k.shape[2]
+    for a in range(0, Lq, _EXPLICIT_TILE):
+        z = min(a + _EXPLICIT_TILE, Lq)
+        keys = slice(0, Lk - Lq + z) if causal else slice(0, Lk)
+        yield slice(a, z), keys, causal, None if mask is None else mask[a:z, keys]
+
+
+def block_forward(q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                  mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One block's softmax attention: output [B, Hk, g, Lq, d] and log-sum-exp [B, Hk, g, Lq], both in the
+    accumulation dtype. `causal`: queries and keys end together, key s seen by query t iff s <= t; `mask`
+    [Lq, Lk] bool: the pairs allowed. Every query must see at least one key."""
+    fused = _use_fused(q5, k, causal)
+    acc = acc_dtype(q5.dtype)
+    if fused is not None:
+        out, lse = fused[0](*_fused_operands(q5, k, v), 0.0, causal, attn_mask=_additive(mask, q5.dtype),
+                            scale=scale)
+        return out.view(q5.shape).to(acc), lse.view(q5.shape[:-1]).to(acc)
+    out = q5.new_empty(q5.shape, dtype=acc)
+    lse = q5.new_empty(q5.shape[:-1], dtype=acc)
+    for rows, keys, tile_causal, tile_mask in _tiles(q5, k, causal, mask):
+        s = _scores(q5[:, :, :, rows], k[:, :, keys], tile_causal, scale, tile_mask)
+        lse[:, :, :, rows] = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse[:, :, :, rows, None])
+        out[:, :, :, rows] = torch.einsum("bhgqk,bhkd->bhgqd", p.to(v.dtype), v[:, :, keys]).to(acc)
+    return out, lse
+
+
+def block_backward(q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, do5: Tensor, lse: Tensor,
+                   delta: Tensor, out5: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """dq5, dk, dv of one block, from the global `lse` and `delta` = rowsum(dO * O), in the accumulation
+    dtype. The fused kernel takes the global output `out5` instead of `delta` (it forms delta itself)."""
+    fused = _use_fused(q5, k, causal)
+    acc = acc_dtype(q5.dtype)
+    if fused is not None:
+        B, Hk, g, Lq, d = q5.shape
+        q, kk, vv = _fused_operands(q5, k, v)
+        dq, dk, dv = fused[1](do5.reshape(q.shape).to(q.dtype), q, kk, vv, out5.reshape(q.shape).to(q.dtype),
+                              lse.reshape(B, Hk * g, Lq).to(_lse_dtype(q.dtype)), 0.0, causal,
+                              attn_mask=_additive(mask, q.dtype), scale=scale)
+        Lk = k.shape[2]
+        return (dq.view(q5.shape).to(acc), dk.view(B, Hk, g, Lk, d).sum(2).to(acc),
+                dv.view(B, Hk, g, Lk, d).sum(2).to(acc))
+    dq = torch.zeros(q5.shape, dtype=acc, device=q5.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for rows, keys, tile_causal, tile_mask in _tiles(q5, k, causal, mask):
+        s = _scores(q5[:, :, :, rows], k[:, :, keys], tile_causal, scale, tile_mask)
+        p = torch.exp(s - lse[:, :, :, rows, None])
+        do = do5[:, :, :, rows].to(acc)
+        dv[:, :, keys] += torch.einsum("bhgqk,bhgqd->bhkd", p, do)
+        ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do, v[:, :, keys].to(acc)) - delta[:, :, :, rows, None])
+        dq[:, :, :, rows] += torch.einsum("bhgqk,bhkd->bhgqd", ds, k[:, :, keys].to(acc)) * scale
+        dk[:, :, keys] += torch.einsum("bhgqk,bhgqd->bhkd", ds, q5[:, :, :, rows].to(acc)) * scale
+    return dq, dk, dv
+
+
+def merge(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge a partial (out, lse) into an accumulator (None: nothing yet)."""
+    if acc is None:
+        return out, lse
+    acc_out, acc_lse = acc
+    new = torch.logaddexp(acc_lse, lse)
+    return acc_out * torch.exp(acc_lse - new)[..., None] + out * torch.exp(lse - new)[..., None], new
+
+
+# ---- segments -------------------------------------------------------------------------------------------
+
+class Segments:
+    """The segments [n, 6] of one query range against one key range (`DocumentLayout.segments`), with what
+    maps them onto a device's tensors: `q_offset` and `k_offset`, the global index of the first local query
+    and key; `first` [B, Lq], the global index where each local query's document starts (for MASKED segments);
+    and the sliding `window`."""
+
+    def __init__(self, table, q_offset: int, k_offset: int, first: Tensor | None, window: int | None):
+        self.rows = [tuple(int(x) for x in r) for r in (table.tolist() if hasattr(table, "tolist") else table)]
+        self.q_offset, self.k_offset, self.first, self.window = q_offset, k_offset, first, window
+
+    def __iter__(self):
+        """(rows, query slice, key slice, causal, mask [Lq, Lk] or None) per segment, in local indices."""
+        for row, q0, q1, k0, k1, kind in self.rows:
+            rows = slice(None) if row < 0 else slice(row, row + 1)
+            mask = None
+            if kind == MASKED:
+                t = torch.arange(q0, q1, device=self.first.device)
+                s = torch.arange(k0, k1, device=self.first.device)
+                first = self.first[row, q0 - self.q_offset:q1 - self.q_offset]
+                mask = allowed(t, first, s, self.window)
+            yield (rows, slice(q0 - self.q_offset, q1 - self.q_offset), slice(k0 - self.k_offset, k1 - self.k_offset),
+                   kind == CAUSAL, mask)
+
+
+def segments_forward(q5: Tensor, k: Tensor, v: Tensor, segments: Segments, scale: float,
+                     out: Tensor, lse: Tensor) -> None:
+    """Merge the segments' partial attention of q5 [B, Hk, g, Lq, d] over k, v [B, Hk, Lk, d] into the
+    accumulators out [B, Hk, g, Lq, d] and lse [B, Hk, g, Lq] (start: zeros and -inf), in place."""
+    for rows, qs, ks, causal, mask in segments:
+        o, s = block_forward(q5[rows, :, :, qs], k[rows, :, ks], v[rows, :, ks], causal, scale, mask)
+        merged = merge((out[rows, :, :, qs], lse[rows, :, :, qs]), o, s)
+        out[rows, :, :, qs], lse[rows, :, :, qs] = merged
+
+
+def segments_backward(q5: Tensor, k: Tensor, v: Tensor, segments: Segments, scale: float, do5: Tensor,
+                      out5: Tensor, lse: Tensor, delta: Tensor, dq5: Tensor, dk: Tensor, dv: Tensor) -> None:
+    """Add the segments' gradients to dq5, dk, dv (accumulation dtype), in place."""
+    for rows, qs, ks, causal, mask in segments:
+        dq, dkk, dvv = block_backward(q5[rows, :, :, qs], k[rows, :, ks], v[rows, :, ks], causal, scale,
+                                      do5[rows, :, :, qs], lse[rows, :, :, qs], delta[rows, :, :, qs],
+                                      out5[rows, :, :, qs], mask)
+        dq5[rows, :, :, qs] += dq
+        dk[rows, :, ks] += dkk
+        dv[rows, :, ks] += dvv
