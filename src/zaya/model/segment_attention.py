@@ -25,7 +25,7 @@ from zaya.model.masks import CAUSAL, MASKED, allowed
 # The fused kernels want keys and values repeated to every query head: a copy of the block, worth its cost only
 # when enough queries share it (a decode step's one query would copy the whole cache shard for it).
 _FUSED_MIN_QUERIES = 32
-_EXPLICIT_TILE = 1024  # queries whose scores the explicit path forms at once
+_EXPLICIT_SCORES = 1 << 22  # scores per head the explicit path forms at once (16 MiB in fp32)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -75,11 +75,13 @@ def _use_fused(q5: Tensor, k: Tensor, causal: bool):
 
 
 def _tiles(q5: Tensor, k: Tensor, causal: bool, mask: Tensor | None):
-    """(query slice, key slice, causal, mask) tiles of at most `_EXPLICIT_TILE` queries for the explicit path:
-    a causal block's tile sees the keys up to its last query."""
+    """(query slice, key slice, causal, mask) tiles of queries for the explicit path, each forming at most
+    `_EXPLICIT_SCORES` scores per head (16 queries at least): a causal block's tile sees the keys up to its last
+    query."""
     Lq, Lk = q5.shape[3], k.shape[2]
-    for a in range(0, Lq, _EXPLICIT_TILE):
-        z = min(a + _EXPLICIT_TILE, Lq)
+    tile = max(16, _EXPLICIT_SCORES // max(Lk, 1))
+    for a in range(0, Lq, tile):
+        z = min(a + tile, Lq)
         keys = slice(0, Lk - Lq + z) if causal else slice(0, Lk)
         yield slice(a, z), keys, causal, None if mask is None else mask[a:z, keys]
 
