@@ -183,8 +183,10 @@ class CompressedConvAttention(nn.Module):
         if T <= _SHORT_INPUT or documents is not None:
             # a few tokens (decoding): a contraction over each window beats a convolution's setup cost; packed
             # documents: window slot m holds p_{t-P+m}, which t's document reaches if P - m <= pos_t
-            windows = p_ext.unfold(1, P + 1, 1)
-            if documents is not None:
+            if documents is None:
+                windows = p_ext.unfold(1, P + 1, 1)
+            else:  # stacked slices, not unfold: inductor's CPU code corrupts memory in a masked unfold's backward
+                windows = torch.stack([p_ext[:, m:m + T] for m in range(P + 1)], dim=-1)
                 reach = documents[:, :, None] >= torch.arange(P, -1, -1, device=documents.device)
                 windows = windows * reach[:, :, None, :].to(windows.dtype)
             windows = windows.reshape(B, T, G, d, P + 1)
@@ -287,7 +289,8 @@ class CompressedConvAttention(nn.Module):
         if documents is not None and cache is not None:
             raise ValueError("packed documents are for training and evaluation: not with a decode cache")
         if documents is not None and sequence is None and documents.segments is None:
-            raise ValueError("packed documents on one device need their attention's segments")
+            raise ValueError("Documents.segments is None: packed documents on one device need their attention's "
+                             "segments (zaya.model.documents.packed_documents plans them)")
         conv_past, value_past = (cache.conv_state, cache.value_state) if cache is not None else (None, None)
         if sequence is not None:
             conv_past = value_past = None

@@ -40,6 +40,9 @@ def packed_documents(input_ids: torch.Tensor, separator: int, host_ids: torch.Te
     """`Documents` of token ids [B, T] whose documents each end with `separator`. The plan is made from
     `host_ids`, the same ids on the host (a trainer has them there before the copy to the device); without them
     it reads `input_ids` back from the device."""
+    if host_ids is not None and host_ids.shape != input_ids.shape:
+        raise ValueError(f"host_ids of shape {tuple(host_ids.shape)} for input_ids of shape {tuple(input_ids.shape)}: "
+                         "they must be the same ids")
     host = input_ids.cpu() if host_ids is None else host_ids
     segments = DocumentLayout.from_tokens(host, separator, window).segments()
     return Documents(document_positions(input_ids, separator), torch.from_numpy(segments))

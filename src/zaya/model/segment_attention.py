@@ -8,13 +8,16 @@ delta = rowsum(dO * O) forms dV = P^T dO, dS = P (dO V^T - delta), dQ = dS K / s
 a segment's gradient needs nothing from the other segments but lse and delta, so one device's segments and
 those of a context-parallel rank's chunk pairs (`zaya.parallel.cp_attention`) run the same code.
 
-Grouped-query attention is done in place: the g query heads of a KV head are a batch dimension of its scores,
-so keys and values are never repeated outside a fused kernel's call. Where the device has no fused kernel that
-returns its log-sum-exp (`zaya.device.fused_block_attention`), the scores are formed explicitly, a tile of
-queries at a time, so that no [T, T] tensor is formed for a long document either.
+Grouped-query attention is done in place: the g query heads of a KV head are a batch dimension of its scores
+(a stride-0 expansion of the keys and values in a fused kernel's call), so keys and values are never repeated.
+Where the device has no fused kernel that returns its log-sum-exp (`zaya.device.fused_block_attention`), the
+scores are formed explicitly, a tile of queries at a time, so that no [T, T] tensor is formed for a long
+document either.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import Tensor
@@ -22,8 +25,9 @@ from torch import Tensor
 from zaya.device import fused_block_attention
 from zaya.model.masks import CAUSAL, MASKED, allowed
 
-# The fused kernels want keys and values repeated to every query head: a copy of the block, worth its cost only
-# when enough queries share it (a decode step's one query would copy the whole cache shard for it).
+# The fused CPU kernel, fed few queries against many more keys (a context-parallel block of a document's last
+# queries, a decode step), is slower than explicit scores at head dimension 128 (32 x 1024: 7.5 ms against
+# 4.5 ms, forward and backward of 8 heads); square blocks it runs 2-3x faster at any size.
 _FUSED_MIN_QUERIES = 32
 _EXPLICIT_SCORES = 1 << 22  # scores per head the explicit path forms at once (16 MiB in fp32)
 
@@ -41,20 +45,25 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _scores(q5: Tensor, k: Tensor, causal: bool, scale: float, mask: Tensor | None) -> Tensor:
     """Scores [B, Hk, g, Lq, Lk] of q5 [B, Hk, g, Lq, d] against k [B, Hk, Lk, d]: -inf above the diagonal
-    when `causal` (queries and keys end together), and where `mask` [Lq, Lk] is False."""
-    s = torch.einsum("bhgqd,bhkd->bhgqk", q5, k).to(acc_dtype(q5.dtype)) * scale
+    when `causal` (queries and keys end together), and where `mask` [Lq, Lk] is False. The [Lq, Lk] tensors of
+    the explicit path are changed in place: each is a memory pass, and they are the path's cost."""
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q5, k).to(acc_dtype(q5.dtype)).mul_(scale)
     Lq, Lk = s.shape[-2:]
     if causal:
-        s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=s.device).triu(Lk - Lq + 1), float("-inf"))
+        s.masked_fill_(torch.ones(Lq, Lk, dtype=torch.bool, device=s.device).triu(Lk - Lq + 1), float("-inf"))
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+        s.masked_fill_(~mask, float("-inf"))
     return s
 
 
 def _fused_operands(q5: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q [B, Hq, Lq, d] and k, v repeated to Hq heads: the layout of the fused kernels."""
+    """The layout of the fused kernels, grouped-query attention without copies: each (row, KV head) is a batch
+    entry, its g query heads the heads, and its keys and values a stride-0 expansion to them: q [B Hk, g, Lq, d],
+    k and v [B Hk, g, Lk, d]."""
     B, Hk, g, Lq, d = q5.shape
-    return q5.reshape(B, Hk * g, Lq, d), k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    Lk = k.shape[2]
+    return (q5.reshape(B * Hk, g, Lq, d), k.reshape(B * Hk, 1, Lk, d).expand(-1, g, -1, -1),
+            v.reshape(B * Hk, 1, Lk, d).expand(-1, g, -1, -1))
 
 
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -64,12 +73,13 @@ def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 def _use_fused(q5: Tensor, k: Tensor, causal: bool):
-    """The fused (forward, backward) pair, if it may take this block: enough queries, and a causal block only
-    as a square (the kernels align their causal mask at the top left)."""
+    """The fused (forward, backward) pair, if it may take this block: a square, or enough queries; a causal block
+    only as a square (the kernels align their causal mask at the top left)."""
     fused = fused_block_attention(q5.device)
-    if fused is None or q5.shape[3] < _FUSED_MIN_QUERIES or k.shape[2] == 0:
+    Lq, Lk = q5.shape[3], k.shape[2]
+    if fused is None or Lk == 0 or (Lq < _FUSED_MIN_QUERIES and Lq != Lk):
         return None
-    if causal and q5.shape[3] != k.shape[2]:
+    if causal and Lq != Lk:
         return None
     return fused
 
@@ -101,38 +111,39 @@ def block_forward(q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
     lse = q5.new_empty(q5.shape[:-1], dtype=acc)
     for rows, keys, tile_causal, tile_mask in _tiles(q5, k, causal, mask):
         s = _scores(q5[:, :, :, rows], k[:, :, keys], tile_causal, scale, tile_mask)
-        lse[:, :, :, rows] = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse[:, :, :, rows, None])
+        tile_lse = torch.logsumexp(s, dim=-1)
+        lse[:, :, :, rows] = tile_lse
+        p = s.sub_(tile_lse[..., None]).exp_()
         out[:, :, :, rows] = torch.einsum("bhgqk,bhkd->bhgqd", p.to(v.dtype), v[:, :, keys]).to(acc)
     return out, lse
 
 
 def block_backward(q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, do5: Tensor, lse: Tensor,
-                   delta: Tensor, out5: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   delta: Tensor | None, out5: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq5, dk, dv of one block, from the global `lse` and `delta` = rowsum(dO * O), in the accumulation
     dtype. The fused kernel takes the global output `out5` instead of `delta` (it forms delta itself)."""
     fused = _use_fused(q5, k, causal)
     acc = acc_dtype(q5.dtype)
     if fused is not None:
-        B, Hk, g, Lq, d = q5.shape
+        B, Hk, g, Lq, _ = q5.shape
         q, kk, vv = _fused_operands(q5, k, v)
         dq, dk, dv = fused[1](do5.reshape(q.shape).to(q.dtype), q, kk, vv, out5.reshape(q.shape).to(q.dtype),
-                              lse.reshape(B, Hk * g, Lq).to(_lse_dtype(q.dtype)), 0.0, causal,
+                              lse.reshape(B * Hk, g, Lq).to(_lse_dtype(q.dtype)), 0.0, causal,
                               attn_mask=_additive(mask, q.dtype), scale=scale)
-        Lk = k.shape[2]
-        return (dq.view(q5.shape).to(acc), dk.view(B, Hk, g, Lk, d).sum(2).to(acc),
-                dv.view(B, Hk, g, Lk, d).sum(2).to(acc))
+        return dq.view(q5.shape).to(acc), dk.sum(1).reshape(k.shape).to(acc), dv.sum(1).reshape(v.shape).to(acc)
+    if delta is None:  # formed here, for this block's queries only, where the caller leaves it to the block
+        delta = (do5.to(acc) * out5.to(acc)).sum(-1)
     dq = torch.zeros(q5.shape, dtype=acc, device=q5.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for rows, keys, tile_causal, tile_mask in _tiles(q5, k, causal, mask):
         s = _scores(q5[:, :, :, rows], k[:, :, keys], tile_causal, scale, tile_mask)
-        p = torch.exp(s - lse[:, :, :, rows, None])
+        p = s.sub_(lse[:, :, :, rows, None]).exp_()
         do = do5[:, :, :, rows].to(acc)
         dv[:, :, keys] += torch.einsum("bhgqk,bhgqd->bhkd", p, do)
-        ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do, v[:, :, keys].to(acc)) - delta[:, :, :, rows, None])
-        dq[:, :, :, rows] += torch.einsum("bhgqk,bhkd->bhgqd", ds, k[:, :, keys].to(acc)) * scale
-        dk[:, :, keys] += torch.einsum("bhgqk,bhgqd->bhkd", ds, q5[:, :, :, rows].to(acc)) * scale
+        ds = torch.einsum("bhgqd,bhkd->bhgqk", do, v[:, :, keys].to(acc)).sub_(delta[:, :, :, rows, None]).mul_(p)
+        dq[:, :, :, rows] += torch.einsum("bhgqk,bhkd->bhgqd", ds, k[:, :, keys].to(acc)).mul_(scale)
+        dk[:, :, keys] += torch.einsum("bhgqk,bhgqd->bhkd", ds, q5[:, :, :, rows].to(acc)).mul_(scale)
     return dq, dk, dv
 
 
@@ -151,11 +162,17 @@ class Segments:
     """The segments [n, 6] of one query range against one key range (`DocumentLayout.segments`), with what
     maps them onto a device's tensors: `q_offset` and `k_offset`, the global index of the first local query
     and key; `first` [B, Lq], the global index where each local query's document starts (for MASKED segments);
-    and the sliding `window`."""
+    and the sliding `window`. `disjoint`: no query is in two segments (a row's plan against itself), so that
+    each query's partial is its whole attention; `keys_disjoint`: no key either (no sliding window's bands), so
+    that each key's gradient comes from one segment."""
 
     def __init__(self, table, q_offset: int, k_offset: int, first: Tensor | None, window: int | None):
         self.rows = [tuple(int(x) for x in r) for r in (table.tolist() if hasattr(table, "tolist") else table)]
         self.q_offset, self.k_offset, self.first, self.window = q_offset, k_offset, first, window
+        spans = sorted((row, q0, q1) for row, q0, q1, *_ in self.rows)
+        every_row = any(row < 0 for row, _, _ in spans) and any(row >= 0 for row, _, _ in spans)
+        self.disjoint = not every_row and all(a[0] != b[0] or a[2] <= b[1] for a, b in itertools.pairwise(spans))
+        self.keys_disjoint = self.disjoint and all((q0, q1) == (k0, k1) for _, q0, q1, k0, k1, _ in self.rows)
 
     def __iter__(self):
         """(rows, query slice, key slice, causal, mask [Lq, Lk] or None) per segment, in local indices."""
@@ -172,22 +189,27 @@ class Segments:
 
 
 def segments_forward(q5: Tensor, k: Tensor, v: Tensor, segments: Segments, scale: float,
-                     out: Tensor, lse: Tensor) -> None:
+                     out: Tensor, lse: Tensor, *, fresh: bool = False) -> None:
     """Merge the segments' partial attention of q5 [B, Hk, g, Lq, d] over k, v [B, Hk, Lk, d] into the
-    accumulators out [B, Hk, g, Lq, d] and lse [B, Hk, g, Lq] (start: zeros and -inf), in place."""
+    accumulators out [B, Hk, g, Lq, d] and lse [B, Hk, g, Lq] (start: zeros and -inf), in place. `fresh`: the
+    accumulators hold nothing yet, so the partials of disjoint segments are written, not merged."""
+    write = fresh and segments.disjoint
     for rows, qs, ks, causal, mask in segments:
         o, s = block_forward(q5[rows, :, :, qs], k[rows, :, ks], v[rows, :, ks], causal, scale, mask)
-        merged = merge((out[rows, :, :, qs], lse[rows, :, :, qs]), o, s)
-        out[rows, :, :, qs], lse[rows, :, :, qs] = merged
+        if not write:
+            o, s = merge((out[rows, :, :, qs], lse[rows, :, :, qs]), o, s)
+        out[rows, :, :, qs], lse[rows, :, :, qs] = o, s
 
 
 def segments_backward(q5: Tensor, k: Tensor, v: Tensor, segments: Segments, scale: float, do5: Tensor,
-                      out5: Tensor, lse: Tensor, delta: Tensor, dq5: Tensor, dk: Tensor, dv: Tensor) -> None:
-    """Add the segments' gradients to dq5, dk, dv (accumulation dtype), in place."""
+                      out5: Tensor, lse: Tensor, delta: Tensor | None, dq5: Tensor, dk: Tensor, dv: Tensor) -> None:
+    """Add the segments' gradients to dq5, dk, dv, in place (in the accumulation dtype, or in the inputs' where
+    each query, or key, is in one segment only: each is then written once). `delta` None: each segment that
+    needs it forms its own part."""
     for rows, qs, ks, causal, mask in segments:
         dq, dkk, dvv = block_backward(q5[rows, :, :, qs], k[rows, :, ks], v[rows, :, ks], causal, scale,
-                                      do5[rows, :, :, qs], lse[rows, :, :, qs], delta[rows, :, :, qs],
-                                      out5[rows, :, :, qs], mask)
+                                      do5[rows, :, :, qs], lse[rows, :, :, qs],
+                                      None if delta is None else delta[rows, :, :, qs], out5[rows, :, :, qs], mask)
         dq5[rows, :, :, qs] += dq
         dk[rows, :, ks] += dkk
         dv[rows, :, ks] += dvv

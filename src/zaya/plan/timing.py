@@ -4,7 +4,10 @@ and the collectives it waits for.
     compute   = sum over the step's GEMMs of FLOPs / rate(shape)            (forward, both backward products,
                                                                               recomputation, the fused loss,
                                                                               Newton-Schulz)
-              + attention FLOPs / attention rate                             (causal: T (T + 1) / 2 pairs)
+              + attention FLOPs / attention rate                             (causal: T (T + 1) / 2 pairs;
+                                                                              packed documents of mean length
+                                                                              m kept apart: T (m + 1) / 2,
+                                                                              `zaya.plan.documents`)
               + elementwise bytes / memory bandwidth
               + host                                    (see below)
     step      = compute + exposed communication
@@ -65,6 +68,7 @@ from zaya.parallel.fsdp import (
     collectives_per_step,
     gathers_per_micro_batch,
 )
+from zaya.plan.documents import DocumentPlan, attention_length, causal_pairs, document_pairs
 from zaya.plan.layout import Layout
 from zaya.plan.memory import GPU_DETAILS, DeviceDetails, activation_bytes, row_padding
 from zaya.plan.traffic import DIMENSIONS, Traffic
@@ -72,7 +76,8 @@ from zaya.train.stats import HOST_READS_PER_STEP
 
 # ops whose output size or value the host must read back from the device
 SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", "aten::unique",
-                      "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive", "aten::masked_select"})
+                      "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive", "aten::masked_select",
+                      "aten::item", "aten::is_nonzero"})
 # ops a compiled graph still runs as kernels of their own (library calls, sorts, scatters), by name prefix
 LIBRARY_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::convolution",
                "aten::_scaled_dot_product", "aten::sort", "aten::scatter", "aten::index_put", "aten::index_copy",
@@ -237,11 +242,14 @@ def loss_gemm_seconds(c: ZayaConfig, rates: Rates, tokens: int, precision: str, 
 
 
 def attention_seconds(c: ZayaConfig, rates: Rates, seq_len: int, sequences: int, cp: int, precision: str,
-                      passes: float) -> float:
+                      passes: float, documents: DocumentPlan | None = None) -> float:
     """Causal attention of `sequences` sequences (this rank's 1/cp of the pairs), forward and backward
-    (`passes` = 3: the backward costs two forwards; 4 with the forward recomputed)."""
-    forward = 4.0 * c.num_attention_heads * c.head_dim * seq_len * (seq_len + 1) / 2 * sequences / cp
-    rate = rates.attention_rate(seq_len, c.head_dim, c.num_attention_heads, c.num_key_value_heads, dtype=precision)
+    (`passes` = 3: the backward costs two forwards; 4 with the forward recomputed); with `documents`, over
+    packed documents kept apart, at the rate of attention of one document's length."""
+    pairs = causal_pairs(seq_len) if documents is None else document_pairs(seq_len, documents.tokens)
+    forward = 4.0 * c.num_attention_heads * c.head_dim * pairs * sequences / cp
+    rate = rates.attention_rate(attention_length(seq_len, documents), c.head_dim, c.num_attention_heads,
+                                c.num_key_value_heads, dtype=precision)
     return forward * passes / rate
 
 
@@ -421,8 +429,10 @@ def _optimizer_work(params, rates: Rates, dtype: str) -> tuple[float, int, int]:
 
 def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro_batches: int, rates: Rates,
               traffic: Traffic, bandwidths: dict[str, float], ns_dtype: str = "bfloat16", ns_steps: int = 5,
-              cp_kernel: str = "allgather", details: DeviceDetails = GPU_DETAILS) -> StepTime:
-    """The `StepTime` of one optimizer step of rank 0; `bandwidths` are bytes/s per mesh dimension."""
+              cp_kernel: str = "allgather", details: DeviceDetails = GPU_DETAILS,
+              documents: DocumentPlan | None = None) -> StepTime:
+    """The `StepTime` of one optimizer step of rank 0; `bandwidths` are bytes/s per mesh dimension; `documents`:
+    the packed documents a phase keeps apart (None: causal attention over whole rows)."""
     mode = layout.activation_checkpointing
     tokens = layout.micro_batch_size * seq_len // layout.cp
     ep = layout.ep
@@ -436,10 +446,10 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     time.gemm = micro_batches * (blocks + recomputed + loss)
     passes = 4 if mode == "full" else 3
     time.attention = micro_batches * L * attention_seconds(c, rates, seq_len, layout.micro_batch_size, layout.cp,
-                                                           precision, passes)
+                                                           precision, passes, documents)
     # a recomputed region repeats its forward's share (about a third) of its elementwise work
     recompute = {"none": 1.0, "moe": 1 + 0.5 / 3, "full": 1 + 1 / 3}[mode]
-    saved, _ = activation_bytes(c, tokens, seq_len, layout.cp, precision, "none", details, ep)
+    saved, _ = activation_bytes(c, tokens, seq_len, layout.cp, precision, "none", details, ep, documents is not None)
     saved -= c.vocab_size * c.hidden_size * 4  # the loss's dW: written once, counted with the loss
     moved = ELEMENTWISE_PASSES * saved * recompute + LOSS_BYTES_PER_LOGIT * tokens * c.vocab_size
     # measured on the device: how much slower than the bytes say (`zaya.plan.calibrate`)
