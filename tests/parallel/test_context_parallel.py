@@ -12,9 +12,9 @@ import torch.nn.functional as F
 import zaya
 from ranks import run_distributed
 from zaya.errors import ZayaError
+from zaya.model import segment_attention
 from zaya.model.attention import CompressedConvAttention
 from zaya.model.layers import RotaryEmbedding
-from zaya.parallel import cp_attention
 from zaya.parallel.comm import CommCounter
 from zaya.parallel.config import ParallelConfig
 from zaya.parallel.context import ContextParallel, SequenceLayout
@@ -72,7 +72,7 @@ def test_parallel_config_names_bad_context_parallel_keys():
 @pytest.mark.parametrize("causal", [True, False], ids=["diagonal", "full"])
 def test_a_block_gives_the_softmax_its_log_sum_exp_and_the_flash_backward(monkeypatch, fused, causal):
     if not fused:  # the plain-matmul path that devices without a fused kernel take
-        monkeypatch.setattr(cp_attention, "fused_block_attention", lambda device: None)
+        monkeypatch.setattr(segment_attention, "fused_block_attention", lambda device: None)
     generator = torch.Generator().manual_seed(3)
     B, Hk, g, L, d = 2, 2, 3, 40, 8  # enough queries for the fused kernel
     q5 = torch.randn(B, Hk, g, L, d, dtype=torch.float64, generator=generator, requires_grad=True)
@@ -84,9 +84,9 @@ def test_a_block_gives_the_softmax_its_log_sum_exp_and_the_flash_backward(monkey
     grad_out = torch.randn(expected.shape, dtype=torch.float64, generator=generator)
     expected.backward(grad_out)
     with torch.no_grad():
-        out, lse = cp_attention.block_forward(q5, k, v, causal, d ** -0.5)
+        out, lse = segment_attention.block_forward(q5, k, v, causal, d ** -0.5)
         delta = (grad_out * out).sum(-1)
-        dq, dk, dv = cp_attention.block_backward(q5, k, v, causal, d ** -0.5, grad_out, lse, delta, out)
+        dq, dk, dv = segment_attention.block_backward(q5, k, v, causal, d ** -0.5, grad_out, lse, delta, out)
     torch.testing.assert_close(out, expected, atol=EXACT, rtol=0)
     torch.testing.assert_close(lse, scores.logsumexp(-1), atol=EXACT, rtol=0)
     for ours, theirs in ((dq, q5.grad), (dk, k.grad), (dv, v.grad)):
@@ -146,7 +146,7 @@ def _layer_worker(rank: int, world: int) -> dict:
                 grad = param.grad.clone()
                 dist.all_reduce(grad)
                 errors[name] = (grad - reference[name]).abs().max().item()
-            work = cp.attention_work
+            work = (cp.attention_work, cp.attention_plan(B, torch.device("cpu")).work)
             # the kernel alone: q, k, v gradients against torch's own causal attention
             local = [cp.shard(t, dim=2).requires_grad_() for t in (q, k, v)]
             attention = cp.attention(*local)
@@ -172,13 +172,22 @@ def test_sharded_attention_equals_the_unsharded_layer(world):
             assert worst <= EXACT, (rank, case, result["errors"])
             assert set(result["errors"]) >= {"conv0_weight", "conv1_weight", "v_cur_proj.weight", "v_del_proj.weight",
                                              "q_proj.weight", "k_proj.weight", "grad_q", "grad_k", "grad_v"}
+    S, B = (40 if world == 2 else 48), 2
     for kernel in KERNELS:
+        # the pairs computed are those of the plan's segments, counted once per forward
+        assert all(r[(sharding, kernel)]["work"][0] == r[(sharding, kernel)]["work"][1] for r in results
+                   for sharding in SHARDINGS)
         # head-tail: every rank computes the same number of query-key pairs; contiguous: the last rank most
-        head_tail = [r[("headtail", kernel)]["work"] for r in results]
-        contiguous = [r[("contiguous", kernel)]["work"] for r in results]
+        head_tail = [r[("headtail", kernel)]["work"][0] for r in results]
+        contiguous = [r[("contiguous", kernel)]["work"][0] for r in results]
         assert len(set(head_tail)) == 1, head_tail
         assert contiguous == sorted(contiguous) and contiguous[-1] > contiguous[0], contiguous
-        assert sum(head_tail) == sum(contiguous)  # the same causal work in all, distributed differently
+        # every pair of the causal mask, and no more than the squares of chunks too short for a kernel call of
+        # their own (packed whole: `zaya.model.masks`) add
+        causal = B * S * (S + 1) // 2
+        for work, chunks in ((head_tail, 2 * world), (contiguous, world)):
+            L = S // chunks
+            assert causal <= sum(work) <= causal + B * chunks * L * (L - 1) // 2, (work, causal)
 
 
 def test_a_chunk_shorter_than_the_convolutions_reach_is_refused():

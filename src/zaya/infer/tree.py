@@ -39,10 +39,10 @@ from torch import Tensor
 from zaya.errors import ZayaError
 from zaya.infer.generate import Sampling, check_allowed, check_length, check_prompt, decode_loop
 from zaya.model.attention import AttentionCache, CompressedConvAttention, DecodeCache
+from zaya.model.segment_attention import block_forward, merge
 from zaya.model.transformer import Zaya
 from zaya.parallel.comm import CommCounter, all_reduce, broadcast, ring_shift
 from zaya.parallel.context import ContextParallel, SequenceLayout
-from zaya.parallel.cp_attention import block_forward, merge
 
 KERNELS = ("tree", "ring")
 

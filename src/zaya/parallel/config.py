@@ -36,6 +36,11 @@ class ParallelConfig:
     sharding: str = "full"  # "zero2", "zero1": parameters gathered and gradients reduced once per step
     cp_kernel: str = "allgather"  # "ring" passes key/value blocks rank to rank, overlapped with compute
     cp_sharding: str = "headtail"  # "contiguous": chunk r on rank r (for debugging; unbalanced work)
+    # chunks per rank of a phase that keeps packed documents apart (data.isolate_documents): each sequence is cut
+    # into cp x cp_document_chunks chunks, dealt out to the ranks by their attention work, so that a rank whose
+    # chunks lie in long documents does not keep the others waiting; 2: head-tail's fixed pairs, not balanced.
+    # Contiguous sharding is never balanced (it ignores this key).
+    cp_document_chunks: int = 8
     backend: str = "auto"  # "auto": nccl on GPUs (CUDA and ROCm), gloo on the CPU
     timeout_s: float = 1800.0  # every process group's collective timeout
     init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S  # joining the job: the store, the start-up check
@@ -45,6 +50,9 @@ class ParallelConfig:
         for key in ("dp_replicate", "cp", "ep"):
             if getattr(self, key) < 1:
                 raise ZayaError(f"{source}: key 'parallel.{key}' must be at least 1, got {getattr(self, key)}")
+        if self.cp_document_chunks < 2:
+            raise ZayaError(f"{source}: key 'parallel.cp_document_chunks' must be at least 2 (2: head-tail's fixed "
+                            f"pairs), got {self.cp_document_chunks}")
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise ZayaError(f"{source}: key 'parallel.dp_shard' must be at least 1, or -1 for every rank the "
                             f"other dimensions leave, got {self.dp_shard}")
@@ -84,15 +92,22 @@ def experts_split_problem(num_experts: int, ep: int) -> str | None:
     return None
 
 
-def sequence_split_problem(length: int, ranks: int, sharding: str, min_chunk: int = 1) -> str | None:
+def sequence_split_problem(length: int, ranks: int, sharding: str, min_chunk: int = 1,
+                           chunks_per_rank: int | None = None) -> str | None:
     """What is wrong with splitting a sequence of `length` tokens over `ranks` context-parallel ranks (None if
     nothing): chunks (2 per rank head-tail, 1 contiguous) must be whole and hold at least `min_chunk` tokens (the
-    convolutions' halo reaches back one chunk only)."""
+    convolutions' halo reaches back one chunk only). `chunks_per_rank`: a phase that keeps packed documents
+    apart (`ParallelConfig.cp_document_chunks`), whose head-tail split deals cp x chunks_per_rank chunks out by
+    attention work; contiguous sharding ignores it."""
     if sharding not in CP_SHARDINGS:
         return f"sharding must be one of {', '.join(CP_SHARDINGS)}, got {sharding!r}"
     chunks = 2 * ranks if sharding == "headtail" else ranks
+    how = "2 x cp" if sharding == "headtail" else "cp"
+    if chunks_per_rank is not None and sharding == "headtail":
+        if chunks_per_rank < 1:
+            return f"a split into {chunks_per_rank} chunks per rank; it needs at least 1"
+        chunks, how = ranks * chunks_per_rank, f"cp x parallel.cp_document_chunks = {ranks} x {chunks_per_rank}"
     if length % chunks:
-        how = "2 x cp" if sharding == "headtail" else "cp"
         return f"a sequence of {length} tokens does not split into {how} = {chunks} chunks of equal length"
     if length // chunks < min_chunk:
         return (f"chunks of {length // chunks} tokens ({length} over {chunks}) are shorter than the {min_chunk} "

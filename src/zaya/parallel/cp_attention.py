@@ -1,25 +1,29 @@
-"""Causal attention over a sequence split by `zaya.parallel.context`: two kernels behind one interface.
+"""Attention over a sequence split by `zaya.parallel.context`, packed documents or not: two kernels behind one
+interface.
 
-Each rank holds queries, keys and values for its chunks. The kernels visit the key/value blocks of every
-rank and, for each pair (query chunk cq, key chunk ck), compute nothing when ck > cq, a causal block when
-ck = cq and a full block when ck < cq; every block gives a partial (output, log-sum-exp) that is merged in
-fp32 (fp64 for fp64 inputs) in the stable form
+Each rank holds queries, keys and values for its chunks. The kernels visit the key/value blocks of every rank
+and, for each pair (query chunk cq, key chunk ck <= cq), run the segments of the mask for that pair
+(`zaya.model.masks.DocumentLayout.segments` of the two chunks' ranges, in global indices) through
+`zaya.model.segment_attention`. Without packed documents every row is one document, and the segments are the
+causal mask's blocks: a causal square when ck = cq, a full rectangle when ck < cq. With packed documents only
+the documents a pair shares are computed: a key chunk that holds nothing of the documents of a query chunk
+costs nothing, and neither does one beyond the sliding window. Every segment gives a partial (output,
+log-sum-exp), merged in fp32 (fp64 for fp64 inputs) in the stable form
 
     lse = logaddexp(lse_a, lse_b),   o = o_a exp(lse_a - lse) + o_b exp(lse_b - lse).
 
 - "allgather": all-gather every rank's keys and values, then attend (one collective; works on gloo).
 - "ring": pass key/value blocks rank to rank (r sends to r + 1), the next transfer posted before the current
-  block is computed, so that it overlaps the compute.
+  block is computed, so that it overlaps the compute. A block this rank has no segments with still travels on.
 
-Backward (both kernels) recomputes each block's probabilities from the saved global log-sum-exp,
-P = exp(S - lse), and with delta = rowsum(dO * O) forms dV = P^T dO, dS = P (dO V^T - delta),
-dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d). The all-gather kernel gathers again and returns every block's
+Backward (both kernels) recomputes each segment's probabilities from the saved global log-sum-exp (the flash
+backward of `zaya.model.segment_attention`). The all-gather kernel gathers again and returns every block's
 dK, dV to its owner with one all-to-all; the ring kernel sends each block's partial dK, dV along with it,
 starting at the rank after its owner, so that after cp - 1 hops it arrives home: (cp - 1) blocks of keys
 and values in each direction, the minimum.
 
-Grouped-query attention is done in place: the g query heads of a KV head are a batch dimension of its
-scores, so keys and values are never repeated.
+`ContextParallel.attention_work` counts the query-key pairs computed (`zaya.model.masks.segment_work` of the
+segments run in forward).
 """
 
 from __future__ import annotations
@@ -30,131 +34,53 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zaya.device import fused_block_attention
+from zaya.model.masks import DocumentLayout, segment_work
+from zaya.model.segment_attention import (
+    Segments,
+    acc_dtype,
+    segments_backward,
+    segments_forward,
+)
 from zaya.parallel.comm import all_to_all_single, ring_shift
 
 KERNELS = ("allgather", "ring")
 
 
-# ---- one block ------------------------------------------------------------------------------------------
+# ---- the plan: which segments of which pair of chunks ----------------------------------------------------
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
+class PairPlan:
+    """The segments of this rank's query chunks against the chunks of each source rank, mapped onto local
+    tensors: `sources[src]` is a list of (`Segments`, work), one per pair of chunks that has any segment; the
+    pairs without one are left out (no compute). Built on the host from the layouts, once per sequence shard."""
 
+    def __init__(self, layout, rank: int, documents: DocumentLayout, first: Tensor, batch: int):
+        L = layout.chunk_len
+        mine = layout.chunks(rank)
+        self.sources: list[list[tuple[Segments, int]]] = []
+        for src in range(layout.ranks):
+            pairs = []
+            for i, cq in enumerate(mine):
+                for j, ck in enumerate(layout.chunks(src)):
+                    if ck > cq:
+                        continue
+                    table = documents.segments((cq * L, (cq + 1) * L), (ck * L, (ck + 1) * L))
+                    if len(table):
+                        # local query index = global - (cq - i) L; local key index in the source's block likewise
+                        segments = Segments(table, (cq - i) * L, (ck - j) * L, first, documents.window)
+                        pairs.append((segments, segment_work(table, batch)))
+            self.sources.append(pairs)
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _scores(q5: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    """Scores [B, Hk, g, Lq, Lk] of q5 [B, Hk, g, Lq, d] against k [B, Hk, Lk, d]; -inf above the diagonal
-    when `causal` (a chunk against itself)."""
-    s = torch.einsum("bhgqd,bhkd->bhgqk", q5, k).to(_acc_dtype(q5.dtype)) * scale
-    if causal:
-        Lq, Lk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
-
-
-# The fused kernels want keys and values repeated to every query head: a copy of the block, worth its cost only
-# when enough queries share it (a decode step's one query would copy the whole cache shard for it).
-_FUSED_MIN_QUERIES = 32
-
-
-def _fused_operands(q5: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q [B, Hq, Lq, d] and k, v repeated to Hq heads: the layout of the fused kernels."""
-    B, Hk, g, Lq, d = q5.shape
-    return q5.reshape(B, Hk * g, Lq, d), k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-
-
-def block_forward(q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """One block's softmax attention: output [B, Hk, g, Lq, d] and log-sum-exp [B, Hk, g, Lq], both in the
-    accumulation dtype. A fused kernel where the device has one (`zaya.device.fused_block_attention`), else
-    plain matmuls over the materialised scores."""
-    fused = fused_block_attention(q5.device)
-    if fused is not None and q5.shape[3] >= _FUSED_MIN_QUERIES and k.shape[2] > 0:
-        out, lse = fused[0](*_fused_operands(q5, k, v), 0.0, causal, attn_mask=None, scale=scale)
-        acc = _acc_dtype(q5.dtype)
-        return out.view(q5.shape).to(acc), lse.view(q5.shape[:-1]).to(acc)
-    s = _scores(q5, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
-    out = torch.einsum("bhgqk,bhkd->bhgqd", p.to(v.dtype), v).to(s.dtype)
-    return out, lse
+    @property
+    def work(self) -> int:
+        """The query-key pairs of every segment: what one forward computes."""
+        return sum(w for pairs in self.sources for _, w in pairs)
 
 
-def block_backward(q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, do5: Tensor, lse: Tensor,
-                   delta: Tensor, out5: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """dq5, dk, dv of one block, from the global `lse` and `delta` = rowsum(dO * O), in the accumulation
-    dtype. The fused kernel takes the global output `out5` instead of `delta` (it forms delta itself)."""
-    fused = fused_block_attention(q5.device)
-    if fused is not None and q5.shape[3] >= _FUSED_MIN_QUERIES:
-        B, Hk, g, Lq, d = q5.shape
-        q, kk, vv = _fused_operands(q5, k, v)
-        acc = _acc_dtype(q5.dtype)
-        dq, dk, dv = fused[1](do5.reshape(q.shape).to(q.dtype), q, kk, vv, out5.reshape(q.shape).to(q.dtype),
-                              lse.reshape(B, Hk * g, Lq).to(_lse_dtype(q.dtype)), 0.0, causal, attn_mask=None,
-                              scale=scale)
-        Lk = k.shape[2]
-        return (dq.view(q5.shape).to(acc), dk.view(B, Hk, g, Lk, d).sum(2).to(acc),
-                dv.view(B, Hk, g, Lk, d).sum(2).to(acc))
-    s = _scores(q5, k, causal, scale)
-    p = torch.exp(s - lse[..., None])
-    acc = s.dtype
-    do5 = do5.to(acc)
-    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do5)
-    ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do5, v.to(acc)) - delta[..., None])
-    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.to(acc)) * scale
-    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q5.to(acc)) * scale
-    return dq, dk, dv
-
-
-def merge(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge a partial (out, lse) into an accumulator (None: nothing yet)."""
-    if acc is None:
-        return out, lse
-    acc_out, acc_lse = acc
-    new = torch.logaddexp(acc_lse, lse)
-    return acc_out * torch.exp(acc_lse - new)[..., None] + out * torch.exp(lse - new)[..., None], new
-
-
-# ---- pairs of chunks ------------------------------------------------------------------------------------
-
-def _pairs(q_chunks, k_chunks):
-    """(query slot, key slot, causal) for every pair of chunks the causal mask does not empty."""
-    for i, cq in enumerate(q_chunks):
-        for j, ck in enumerate(k_chunks):
-            if ck <= cq:
-                yield i, j, ck == cq
-
-
-def _split(q: Tensor, num_kv: int, segments: int) -> Tensor:
-    """q [B, Hq, S L, d] -> [B, Hk, g, S, L, d]."""
-    B, Hq, T, d = q.shape
-    return q.view(B, num_kv, Hq // num_kv, segments, T // segments, d)
-
-
-def _attend(q6: Tensor, kv: Tensor, q_chunks, k_chunks, scale: float, acc: list, cp) -> None:
-    """Merge the blocks of one rank's keys and values kv [2, B, Hk, S L, d] into the per-segment
-    accumulators `acc`."""
-    L = q6.shape[4]
-    for i, j, causal in _pairs(q_chunks, k_chunks):
-        k, v = kv[0, :, :, j * L:(j + 1) * L], kv[1, :, :, j * L:(j + 1) * L]
-        acc[i] = merge(acc[i], *block_forward(q6[:, :, :, i], k, v, causal, scale))
-        cp.attention_work += L * (L + 1) // 2 if causal else L * L
-
-
-def _grad(q6: Tensor, do6: Tensor, out6: Tensor, lse6: Tensor, delta6: Tensor, kv: Tensor, q_chunks, k_chunks,
-          scale: float, dq6: Tensor, dkv: Tensor) -> None:
-    """Add the gradients of one rank's blocks kv [2, B, Hk, S L, d] to dq6 and dkv."""
-    L = q6.shape[4]
-    for i, j, causal in _pairs(q_chunks, k_chunks):
-        rows = slice(j * L, (j + 1) * L)
-        dq, dk, dv = block_backward(q6[:, :, :, i], kv[0, :, :, rows], kv[1, :, :, rows], causal, scale,
-                                    do6[:, :, :, i], lse6[:, :, :, i], delta6[:, :, :, i], out6[:, :, :, i])
-        dq6[:, :, :, i] += dq
-        dkv[0, :, :, rows] += dk
-        dkv[1, :, :, rows] += dv
+def causal_plan(layout, rank: int, batch: int, device: torch.device) -> PairPlan:
+    """The plan of plain causal attention: one document per row (its segments are shared by all rows, so the
+    start of each query's document is one row of zeros)."""
+    first = torch.zeros(1, layout.length // layout.ranks, dtype=torch.long, device=device)
+    return PairPlan(layout, rank, DocumentLayout(((0,),) * batch, layout.length), first, batch)
 
 
 # ---- communication --------------------------------------------------------------------------------------
@@ -183,46 +109,65 @@ def _wait(requests: list) -> None:
 
 # ---- the kernels ----------------------------------------------------------------------------------------
 
+def _split(x: Tensor, num_kv: int) -> Tensor:
+    """[B, Hq, T, d] -> [B, Hk, g, T, d]."""
+    B, Hq, T, d = x.shape
+    return x.reshape(B, num_kv, Hq // num_kv, T, d)
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, cp) -> tuple[Tensor, Tensor]:
-    """(out [B, Hq, T, d] in q's dtype, lse [B, Hk, g, S, L] in the accumulation dtype)."""
+    """(out [B, Hq, T, d] in q's dtype, lse [B, Hk, g, T] in the accumulation dtype)."""
     B, Hq, T, d = q.shape
-    Hk, S = k.shape[1], cp.segments
     scale = 1.0 / math.sqrt(d)
-    q6 = _split(q, Hk, S)
+    plan = cp.attention_plan(B, q.device)
+    q5 = _split(q, k.shape[1])
+    acc = acc_dtype(q.dtype)
+    out = torch.zeros(q5.shape, dtype=acc, device=q.device)
+    lse = torch.full(q5.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+
+    def attend(src: int, kv: Tensor) -> None:
+        for segments, work in plan.sources[src]:
+            segments_forward(q5, kv[0], kv[1], segments, scale, out, lse)
+            cp.count_work(work)
+
     kv = torch.stack([k, v])
-    acc: list = [None] * S
     if cp.kernel == "allgather":
         for src, block in enumerate(_all_gather(kv, cp)):
-            _attend(q6, block, cp.chunk_ids, cp.layout.chunks(src), scale, acc, cp)
+            attend(src, block)
     else:
         for step in range(cp.size):
             src = (cp.rank - step) % cp.size
             if step < cp.size - 1:
                 incoming, requests = _ring_send(kv, cp, "cp_kv")  # in flight while this block computes
-            _attend(q6, kv, cp.chunk_ids, cp.layout.chunks(src), scale, acc, cp)
+            attend(src, kv)
             if step < cp.size - 1:
                 _wait(requests)
                 kv = incoming
-    out = torch.stack([o for o, _ in acc], dim=3).to(q.dtype).view(B, Hq, T, d)
-    lse = torch.stack([s for _, s in acc], dim=3)
-    return out, lse
+    return out.view(B, Hq, T, d).to(q.dtype), lse
 
 
-def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse6: Tensor, cp):
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cp):
     """dq, dk, dv (in the inputs' dtypes) from the saved output and global log-sum-exp."""
     B, Hq, T, d = q.shape
-    Hk, S = k.shape[1], cp.segments
+    Hk = k.shape[1]
     scale = 1.0 / math.sqrt(d)
-    acc = lse6.dtype
-    q6, do6, out6 = _split(q, Hk, S), _split(dout, Hk, S), _split(out, Hk, S)
-    delta6 = (do6.to(acc) * out6.to(acc)).sum(-1)
-    dq6 = torch.zeros(q6.shape, dtype=acc, device=q.device)
+    plan = cp.attention_plan(B, q.device)
+    acc = lse.dtype
+    q5, do5, out5 = _split(q, Hk), _split(dout, Hk), _split(out, Hk)
+    delta = (do5.to(acc) * out5.to(acc)).sum(-1)
+    dq5 = torch.zeros(q5.shape, dtype=acc, device=q.device)
+
+    def grad(src: int, kv: Tensor, dkv: Tensor) -> None:
+        """Add the gradients of the segments of source `src`'s block kv [2, B, Hk, T, d] to dq5 and dkv."""
+        for segments, _ in plan.sources[src]:
+            segments_backward(q5, kv[0], kv[1], segments, scale, do5, out5, lse, delta, dq5, dkv[0], dkv[1])
+
     kv = torch.stack([k, v])
     if cp.kernel == "allgather":
         blocks = _all_gather(kv, cp)
         grads = torch.zeros((cp.size, *kv.shape), dtype=acc, device=q.device)
         for src, block in enumerate(blocks):
-            _grad(q6, do6, out6, lse6, delta6, block, cp.chunk_ids, cp.layout.chunks(src), scale, dq6, grads[src])
+            grad(src, block, grads[src])
         # every block's gradient to its owner: rank r receives cp partial sums of its own dk, dv
         received = torch.empty_like(grads)
         n = kv.numel()
@@ -232,7 +177,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     else:
         own = torch.zeros(kv.shape, dtype=acc, device=q.device)
         pending = _ring_send(kv, cp, "cp_kv") if cp.size > 1 else None  # overlaps my own blocks' gradients
-        _grad(q6, do6, out6, lse6, delta6, kv, cp.chunk_ids, cp.chunk_ids, scale, dq6, own)
+        grad(cp.rank, kv, own)
         travelling = None  # a block's partial gradient on its way to the next rank: (buffer, requests)
         for step in range(1, cp.size):
             incoming, requests = pending
@@ -240,9 +185,8 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
             kv = incoming
             if step < cp.size - 1:
                 pending = _ring_send(kv, cp, "cp_kv")
-            src = (cp.rank - step) % cp.size
             partial = torch.zeros(kv.shape, dtype=acc, device=q.device)
-            _grad(q6, do6, out6, lse6, delta6, kv, cp.chunk_ids, cp.layout.chunks(src), scale, dq6, partial)
+            grad((cp.rank - step) % cp.size, kv, partial)
             if travelling is not None:  # the same block's partial gradient from the ranks before
                 buffer, waiting = travelling
                 _wait(waiting)
@@ -253,7 +197,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
             buffer, waiting = travelling
             _wait(waiting)
             dkv = own + buffer
-    dq = dq6.view(B, Hq, T, d).to(q.dtype)
+    dq = dq5.view(B, Hq, T, d).to(q.dtype)
     return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
@@ -273,6 +217,6 @@ class _ContextAttention(torch.autograd.Function):
 
 @torch.compiler.disable
 def context_attention(q: Tensor, k: Tensor, v: Tensor, cp) -> Tensor:
-    """Causal attention of this rank's q [B, Hq, T, d] over the whole sequence (k, v [B, Hk, T, d] here),
-    differentiable; `cp` is the `ContextParallel` of the sequence."""
+    """Attention of this rank's q [B, Hq, T, d] over the whole sequence (k, v [B, Hk, T, d] here), causal and
+    within each packed document, differentiable; `cp` is the `ContextParallel` of the sequence."""
     return _ContextAttention.apply(q, k, v, cp)
