@@ -45,6 +45,16 @@ def _message(tmp_path, text: str, overrides: list[str]) -> str:
     (BASE, ["model.preset=nope"], "--set model.preset=nope: model.preset 'nope' does not exist"),
     (BASE + "[parallel]\nsharding = 'zero3'\n", ["parallel.cp=1"], "FILE: key 'parallel.sharding' must be one of"),
     (BASE, ["parallel.sharding=zero3"], "--set parallel.sharding=zero3: key 'parallel.sharding' must be one of"),
+    # packed documents kept apart split into cp x parallel.cp_document_chunks chunks of at least 2 tokens
+    (BASE + "[parallel]\ncp = 2\ncp_document_chunks = 6\n", ["data.isolate_documents=true"],
+     "FILE: key 'data.seq_len' = 64 with parallel.cp = 2 and parallel.cp_document_chunks = 6 (phase 'main' keeps "
+     "documents apart): a sequence of 64 tokens does not split into cp x parallel.cp_document_chunks = 2 x 6"),
+    (BASE, ["data.isolate_documents=true", "parallel.cp=2", "parallel.cp_document_chunks=32"],
+     "--set parallel.cp=2: key 'data.seq_len' = 64 with parallel.cp = 2 and parallel.cp_document_chunks = 32"),
+    (BASE + "[[phases]]\nname = 'sft'\ncp = 4\nisolate_documents = true\n", ["data.seq_len=72"],
+     "--set data.seq_len=72: key 'data.seq_len' = 72 with phases.0.cp = 4 and parallel.cp_document_chunks = 8"),
+    (BASE + "[[phases]]\nname = 'sft'\ndocument_tokens = 512\n", [],
+     "FILE: key 'phases.0.document_tokens' = 512: phase 'sft' does not keep documents apart"),
 ])
 def test_a_message_names_the_set_that_gave_the_value_else_the_file(tmp_path, text, overrides, expected):
     message = _message(tmp_path, text, overrides)

@@ -35,7 +35,7 @@ from zaya.model.config import ZayaConfig
 from zaya.model.presets import ModelSection
 from zaya.optim.config import OptimConfig
 from zaya.optim.schedule import ScheduleConfig
-from zaya.parallel.config import ACTIVATION_CHECKPOINTING, ParallelConfig
+from zaya.parallel.config import ACTIVATION_CHECKPOINTING, ParallelConfig, sequence_split_problem
 from zaya.ranges import Range
 from zaya.reading import read_toml
 from zaya.schema import shown, type_name
@@ -264,6 +264,7 @@ RANGES: dict[str, Range] = {
     "parallel.dp_shard": Range(1, RANKS, also=-1),
     "parallel.cp": Range(1, 2**12),
     "parallel.ep": Range(1, 2**14),
+    "parallel.cp_document_chunks": Range(2, 2**12),
     "parallel.timeout_s": Range(0.0, YEAR_S, lo_open=True),
     "parallel.init_timeout_s": Range(0.0, YEAR_S, lo_open=True),
     "phases.N.tokens": Range(0, COUNT),
@@ -271,6 +272,7 @@ RANGES: dict[str, Range] = {
     "phases.N.lr_scale": Range(0.0, 10.0, lo_open=True),
     "phases.N.rope_theta": Range(1.0, 1e12, also=0.0),
     "phases.N.cp": Range(0, 2**12),
+    "phases.N.document_tokens": Range(0, 2**24),
     "phases.N.sources.N.weight": Range(0.0, 1e6, lo_open=True),
 }
 
@@ -336,16 +338,34 @@ def _validate(config: RunConfig, origin: Origin) -> None:
     except ZayaError as exc:
         keys = ("data.ramp_start", "data.ramp_increment", "data.ramp_samples", "train.global_batch_size")
         raise ZayaError(f"{origin.of(*keys)}: data.ramp_* with train.global_batch_size: {exc}") from None
-    for key, phase in _phase_keys(config):
+    for index, (key, phase) in enumerate(_phase_keys(config)):
         if train.global_batch_size * phase.seq_len > STEP_TOKENS:
             raise ZayaError(f"{origin.of(key, 'train.global_batch_size')}: train.global_batch_size x seq_len = "
                             f"{train.global_batch_size:,} x {phase.seq_len:,} tokens a step (phase '{phase.name}'), "
                             f"more than {STEP_TOKENS:,}")
-        if phase.isolate_documents and phase.cp > 1:
-            raise ZayaError(f"{origin.of('parallel.cp', 'data.isolate_documents', 'phases')}: phase '{phase.name}' "
-                            f"keeps documents apart (isolate_documents) with cp = {phase.cp}; context parallelism "
-                            "does not split packed documents yet")
+        _check_documents(config, index, key, phase, model.conv_padding, origin)
     check_positions(config, model, origin)
+
+
+def _check_documents(config: RunConfig, index: int, key: str, phase: Phase, min_chunk: int, origin: Origin) -> None:
+    """A phase that keeps documents apart splits its sequences over its cp ranks into cp x
+    `parallel.cp_document_chunks` chunks (`zaya.parallel.context.ContextParallel.for_documents`), each at least
+    the convolutions' reach; `document_tokens` means something only for such a phase. `index`: the phase's
+    number, `key`: the key its seq_len comes from."""
+    if phase.document_tokens and not phase.isolate_documents:
+        where = f"phases.{index}.document_tokens"
+        raise ZayaError(f"{origin.of(where)}: key '{where}' = {phase.document_tokens}: phase '{phase.name}' does "
+                        "not keep documents apart (isolate_documents), so it has no document length to plan for")
+    if not phase.isolate_documents or phase.cp == 1:
+        return
+    chunks = config.parallel.cp_document_chunks
+    problem = sequence_split_problem(phase.seq_len, phase.cp, config.parallel.cp_sharding, min_chunk=min_chunk,
+                                     chunks_per_rank=chunks)
+    if problem:
+        cp_key = f"phases.{index}.cp" if config.phases and config.phases[index].cp else "parallel.cp"
+        raise ZayaError(f"{origin.of(key, cp_key, 'parallel.cp_document_chunks')}: key '{key}' = {phase.seq_len} "
+                        f"with {cp_key} = {phase.cp} and parallel.cp_document_chunks = {chunks} (phase "
+                        f"'{phase.name}' keeps documents apart): {problem}")
 
 
 def _phase_keys(config: RunConfig) -> list[tuple[str, Phase]]:

@@ -46,7 +46,7 @@ def test_zaya1_base_fits_on_1024_mi300x_with_fsdp_alone(capsys):
     assert plan["memory_per_gpu"]["total"] < 192e9
     # no expert or tensor parallelism: every parameter is in the FSDP shards, the experts whole
     assert plan["layout"]["dp_replicate"] * plan["layout"]["dp_shard"] == 1024
-    assert [p["name"] for p in plan["phases"]] == ["pretrain-web", "math-code", "long-context"]
+    assert [p["name"] for p in plan["phases"]] == ["pretrain-web", "math-code", "long-context", "sft"]
     assert plan["phases"][2]["seq_len"] == 32768 and plan["phases"][2]["cp"] == 8
     assert all(p["hours"] > 0 and p["tokens"] > 0 for p in plan["phases"])
     for key in ("params_total", "params_active", "flops_per_token", "memory_per_gpu", "fits", "comm_bytes_per_step",

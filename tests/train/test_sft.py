@@ -127,7 +127,45 @@ def test_packed_chats_are_kept_apart_when_the_config_asks(chat_data, tmp_path):
     assert read_metrics(tmp_path / "run")[0]["loss"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_kept_apart_documents_cannot_be_split_over_context_parallel_ranks(chat_data, tmp_path):
-    path = write_config(tmp_path / "run.toml", chat_data, data={"isolate_documents": True}, parallel={"cp": 2})
-    with pytest.raises(zaya.ZayaError, match=r"run.toml: phase 'main' keeps documents apart .* cp = 2"):
-        load_config(path)
+def _isolated_config(path, data):
+    # chats of ~70 tokens in rows of 128: documents cross chunk and rank boundaries, rows end mid-chat
+    train = {"max_steps": 2, "micro_batch_size": 2, "global_batch_size": 4, "eval_every": 2, "eval_batches": 1}
+    return write_config(path, data, data={"isolate_documents": True, "seq_len": 128},
+                        checkpoint={"every": 2, "keep": 1}, train=train)
+
+
+@pytest.fixture(scope="module")
+def isolated_single(chat_data, tmp_path_factory):
+    """The losses of one process keeping the chats apart."""
+    root = tmp_path_factory.mktemp("isolated")
+    build_trainer(load_config(_isolated_config(root / "run.toml", chat_data)), root / "single").run()
+    return read_metrics(root / "single")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sets", [
+    ["parallel.cp=2"],  # 2 x 8 chunks of 8 tokens, dealt out by attention work
+    ["parallel.cp=2", "parallel.cp_document_chunks=2", "parallel.cp_kernel=ring"],  # head-tail's pairs of 32
+], ids=["balanced-allgather", "headtail-ring"])
+def test_kept_apart_chats_split_over_context_parallel_ranks_log_the_losses_of_one_process(chat_data, tmp_path,
+                                                                                        isolated_single, sets):
+    results = zaya_train(_isolated_config(tmp_path / "run.toml", chat_data), tmp_path / "cp", 2, *sets)
+    assert [code for code, _, _ in results] == [0, 0], "".join(err for _, _, err in results)[-4000:]
+    assert "dp_shard 1 x cp 2" in (tmp_path / "cp" / "train.log").read_text()
+    split = read_metrics(tmp_path / "cp")
+    assert [r["step"] for r in split] == [1, 2]
+    for a, b in zip(isolated_single, split, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    assert split[-1]["eval_loss"] == pytest.approx(isolated_single[-1]["eval_loss"], rel=1e-5)
+
+
+def test_kept_apart_documents_split_over_context_parallel_ranks_into_chunks_that_fit(chat_data, tmp_path):
+    path = write_config(tmp_path / "run.toml", chat_data, data={"isolate_documents": True, "seq_len": 64},
+                        parallel={"cp": 2})
+    assert load_config(path).resolved_phases()[0].cp == 2  # no longer refused
+    with pytest.raises(zaya.ZayaError, match=r"^--set parallel.cp_document_chunks=6: key 'data.seq_len' = 64 with "
+                                             r"parallel.cp = 2 and parallel.cp_document_chunks = 6 \(phase 'main' "
+                                             r"keeps documents apart\): a sequence of 64 tokens does not split"):
+        load_config(path, ["parallel.cp_document_chunks=6"])
+    with pytest.raises(zaya.ZayaError, match=r"shorter than the 2 tokens the convolutions reach back"):
+        load_config(path, ["parallel.cp_document_chunks=32"])  # 64 chunks of 1 token

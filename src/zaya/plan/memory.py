@@ -24,6 +24,18 @@ a = f. Writing D, Q, K, C = Q + K, G = H_q + H_k, R, E, F for the shapes (`zaya1
     outside the blocks   8 + 4Df + f per token (ids, embedding scaling, final norm, the loss's dL/dh)
                          + V D f (the loss's dL/dW, formed in its forward) + 2 (T/cp) d f (RoPE tables)
 
+Packed documents kept apart (`isolate_documents`; `documents` below) change three terms and form no [T, T]
+mask anywhere (`zaya.model.masks`): the convolutions contract each token's window of P + 1 packed vectors,
+masked at its document's start, so they keep the windows, C (P + 1) a, and their mask, (P + 1) f, instead of
+their input; the value shift keeps its mask, f; the RoPE tables are per row, 2 (tokens) d f. On one device the
+packed attention (`zaya.model.packed_attention`) keeps each token's document start, 8.
+
+The attention's saved inputs and output, (Q + K)a + Ka + Qa above, are those of SDPA under autocast (its bf16
+casts). The segment kernels, the packed attention of one device and the attention of context parallelism
+(`zaya.parallel.cp_attention`, with or without documents), are autograd functions of their own that autocast
+does not cast: they keep q, k, v and the output in the dtype they reach them in, the elementwise math's f,
+(2Q + 2K)f.
+
 Activation checkpointing keeps instead, per block, the inputs of what it recomputes: "moe" the MoE
 sublayer's input and router state (Df + Rf), "full" the block's (Df + Rf); the recomputed block's
 activations then live during its backward (the `transient` component).
@@ -132,14 +144,22 @@ def state_bytes(inv: Inventory, shard_ranks: int, rank: int = 0, ep: int = 1) ->
 # ---- activations ------------------------------------------------------------------------------------------
 
 
-def _attention_per_token(c: ZayaConfig, p: Precision, segment: int) -> float:
+def _attention_per_token(c: ZayaConfig, p: Precision, segment: int, documents: bool = False,
+                         kernel: str = "sdpa") -> float:
+    """The attention sublayer's bytes per token; `documents`: packed documents kept apart; `kernel`: "sdpa"
+    (one device, whole rows), "packed" (one device, packed documents) or "split" (context parallelism)."""
     D, Q, K, G, Hq = c.hidden_size, c.query_latent, c.key_latent, c.num_attention_heads + c.num_key_value_heads, \
         c.num_attention_heads
     C, a, f, P = Q + K, p.a, p.f, c.conv_padding
     # in fp32 the projection's output is saved as it is; under autocast only its fp32 copy exists, unsaved
     projected = (Q + 2 * K) * f if a == f else 0
-    return (2 * D * f + f + D * a + projected + C * a * (1 + P / segment) + 2 * C * f + 3 * G * f + (Q + K) * a
-            + K * a + Q * a + Hq * f + D * f)
+    # the convolutions' input, or with documents their masked windows, their mask and the value shift's mask
+    convolution = C * (P + 1) * a + (P + 1) * f + f if documents else C * a * (1 + P / segment)
+    # the attention's q, k, v and output, in the autocast dtype (the segment kernels are handed autocast copies
+    # as SDPA makes them); the packed kernel also keeps each token's document start
+    saved = {"sdpa": (Q + K) * a + K * a + Q * a, "split": (2 * Q + 2 * K) * a, "packed": (2 * Q + 2 * K) * a + 8}
+    return (2 * D * f + f + D * a + projected + convolution + 2 * C * f + 3 * G * f + saved[kernel] + Hq * f
+            + D * f)
 
 
 def _moe_outside_per_token(c: ZayaConfig) -> float:
@@ -171,15 +191,16 @@ def row_padding(config: ZayaConfig, tokens: int, details: DeviceDetails, ep: int
 
 
 def activation_bytes(config: ZayaConfig, tokens: int, seq_len: int, cp: int, precision: str, mode: str,
-                     details: DeviceDetails = GPU_DETAILS, ep: int = 1) -> tuple[int, int]:
+                     details: DeviceDetails = GPU_DETAILS, ep: int = 1, documents: bool = False) -> tuple[int, int]:
     """(saved, transient recompute) activation bytes of one micro-batch of `tokens` local tokens (sequences of
-    `seq_len` split over `cp` ranks) under checkpointing `mode` with `ep` expert-parallel ranks; see the
-    module docstring."""
+    `seq_len` split over `cp` ranks) under checkpointing `mode` with `ep` expert-parallel ranks, packed
+    `documents` kept apart or not; see the module docstring."""
     c, p = config, Precision(precision)
     local = seq_len // cp
     segment = local // (2 if cp > 1 else 1)  # head-tail sharding: two runs per rank
     rho = row_padding(c, tokens, details, ep)
-    attention = _attention_per_token(c, p, segment)
+    kernel = "split" if cp > 1 else "packed" if documents else "sdpa"
+    attention = _attention_per_token(c, p, segment, documents, kernel)
     moe_outside, moe = _moe_outside_per_token(c), _moe_inside_per_token(c, p, rho)
     constants = _block_constants(c, p)
     kept = _kept_inputs_per_token(c)
@@ -191,7 +212,8 @@ def activation_bytes(config: ZayaConfig, tokens: int, seq_len: int, cp: int, pre
     else:
         blocks, recompute = L * tokens * kept, tokens * (attention + moe_outside + moe) + constants
     D = c.hidden_size
-    outside = tokens * (8 + 4 * D * FP32 + FP32) + c.vocab_size * D * FP32 + 2 * local * c.head_dim * FP32
+    rope_rows = tokens if documents else local  # each row's own positions, or the one sequence's
+    outside = tokens * (8 + 4 * D * FP32 + FP32) + c.vocab_size * D * FP32 + 2 * rope_rows * c.head_dim * FP32
     return int(blocks + outside), int(recompute)
 
 
@@ -247,14 +269,16 @@ def workspace_bytes(inv: Inventory, shard_ranks: int, ns_bytes: int, replicas: i
 
 
 def memory_per_gpu(config: ZayaConfig, layout: Layout, seq_len: int, precision: str, ns_dtype: str = "bfloat16",
-                   details: DeviceDetails = GPU_DETAILS, mode: str | None = None, micro_batches: int = 1) -> Memory:
+                   details: DeviceDetails = GPU_DETAILS, mode: str | None = None, micro_batches: int = 1,
+                   documents: bool = False) -> Memory:
     """The `Memory` of rank 0 (the largest shard) of a run of `layout` on sequences of `seq_len` tokens and
-    `micro_batches` micro-batches a step; `mode` overrides the layout's activation checkpointing."""
+    `micro_batches` micro-batches a step; `mode` overrides the layout's activation checkpointing; `documents`:
+    packed documents kept apart."""
     inv = inventory(config)
     params, grads, optimizer = state_bytes(inv, layout.shard_ranks, 0, layout.ep)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     saved, recompute = activation_bytes(config, tokens, seq_len, layout.cp, precision,
-                                        mode or layout.activation_checkpointing, details, layout.ep)
+                                        mode or layout.activation_checkpointing, details, layout.ep, documents)
     transient = max(recompute, loss_chunk_bytes(config, tokens, precision, details))
     ns_bytes = 2 if ns_dtype in ("bfloat16", "bf16") else FP32
     return Memory(parameters=params, gradients=grads, optimizer_state=optimizer, master_weights=0,

@@ -114,6 +114,11 @@ def format_plan(plan) -> str:
     hours = plan.hours
     lines.append(f"{'run':<16}{'':>24}{sum(p.tokens for p in plan.phases):>18,}{'':>10}{hours:>10.1f} "
                  f"({hours / 24:.1f} days)")
+    for phase in plan.phases:
+        if phase.documents is not None:
+            lines.append(f"phase '{phase.name}' keeps packed documents apart: attention over documents of "
+                         f"{phase.documents.tokens:,} tokens ({phase.documents.source}), "
+                         f"{phase.memory.total / GB:.2f} GB per {unit}")
     return "\n".join(lines)
 
 

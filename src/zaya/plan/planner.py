@@ -31,6 +31,7 @@ from zaya.model.flops import training_flops_per_token
 from zaya.model.params import ParameterReport, parameter_report
 from zaya.parallel.config import sequence_split_problem
 from zaya.plan.devices import DeviceSpec
+from zaya.plan.documents import DocumentPlan, phase_documents
 from zaya.plan.layout import Layout, check_batch, expert_parallel_problem
 from zaya.plan.memory import MODES, DeviceDetails, Memory, activation_bytes, memory_per_gpu
 from zaya.plan.timing import Rates, RooflineRates, StepTime, step_time
@@ -59,6 +60,7 @@ class PhasePlan:
     fits: bool
     seconds: float = 0.0  # all its steps, each at its batch size
     batch_tokens: int = 0  # tokens of one step at the full batch (what `time` is the time of)
+    documents: DocumentPlan | None = None  # the packed documents it keeps apart (None: causal over whole rows)
 
     @property
     def hours(self) -> float:
@@ -69,7 +71,8 @@ class PhasePlan:
                 "hours": self.hours, "micro_batches": self.micro_batches, "step_time_s": self.time.total,
                 "memory_per_gpu": self.memory.to_dict(), "fits": self.fits,
                 "comm_bytes_per_step": {k: int(v) for k, v in self.traffic.by_kind.items()},
-                "activations_by_checkpointing": self.activations_by_mode}
+                "activations_by_checkpointing": self.activations_by_mode,
+                "documents": None if self.documents is None else self.documents.to_dict()}
 
 
 @dataclass
@@ -192,9 +195,10 @@ def bandwidths_for(layout: Layout, device: DeviceSpec) -> dict[str, float]:
 
 
 def plan_phase(run: ResolvedRun, layout: Layout, seq_len: int, device: DeviceSpec, rates: Rates,
-               details: DeviceDetails, name: str = "main", global_batch: int | None = None) -> PhasePlan:
+               details: DeviceDetails, name: str = "main", global_batch: int | None = None,
+               documents: DocumentPlan | None = None) -> PhasePlan:
     """The `PhasePlan` of one step of `global_batch` sequences (default: the full batch) of `seq_len` tokens
-    under `layout`."""
+    under `layout`; `documents`: the packed documents the phase keeps apart, if it does."""
     train, model, optim, parallel = run.train, run.model, run.optim, run.parallel
     global_batch = global_batch or train.global_batch_size
     check_batch(global_batch, layout, "train.global_batch_size", run.source)
@@ -202,17 +206,19 @@ def plan_phase(run: ResolvedRun, layout: Layout, seq_len: int, device: DeviceSpe
     micro = min(layout.micro_batch_size, per_rank)
     layout = dataclasses.replace(layout, micro_batch_size=micro)
     micro_batches = math.ceil(per_rank / micro)
+    isolated = documents is not None
     memory = memory_per_gpu(model, layout, seq_len, run.precision, optim.ns_dtype, details,
-                            micro_batches=micro_batches)
+                            micro_batches=micro_batches, documents=isolated)
     tokens = micro * seq_len // layout.cp
-    by_mode = {mode: activation_bytes(model, tokens, seq_len, layout.cp, run.precision, mode, details, layout.ep)[0]
-               for mode in MODES}
+    by_mode = {mode: activation_bytes(model, tokens, seq_len, layout.cp, run.precision, mode, details, layout.ep,
+                                      isolated)[0] for mode in MODES}
     traffic = step_traffic(model, layout, seq_len, run.precision, micro_batches, optim.ns_dtype, parallel.cp_kernel,
                            parallel.cp_sharding)
     time = step_time(model, layout, seq_len, run.precision, micro_batches, rates, traffic,
-                     bandwidths_for(layout, device), optim.ns_dtype, optim.ns_steps, parallel.cp_kernel, details)
+                     bandwidths_for(layout, device), optim.ns_dtype, optim.ns_steps, parallel.cp_kernel, details,
+                     documents)
     return PhasePlan(name, seq_len, layout.cp, layout, 0, 0, micro_batches, memory, traffic, time, by_mode,
-                     memory.total <= device.memory_bytes, batch_tokens=global_batch * seq_len)
+                     memory.total <= device.memory_bytes, batch_tokens=global_batch * seq_len, documents=documents)
 
 
 def schedule(run: ResolvedRun) -> list[list[tuple[int, int]]]:
@@ -294,8 +300,10 @@ def plan_run(run: ResolvedRun, device: DeviceSpec, table=None, gpus_per_node: in
                 if problem:
                     raise ZayaError(f"{run.source}: {problem}")
                 # the run's own mesh was checked by `run.mesh`; this one is new
+                chunks = run.parallel.cp_document_chunks if phase.isolate_documents else None
                 problem = sequence_split_problem(phase.seq_len, mesh.cp, run.parallel.cp_sharding,
-                                                 min_chunk=model.conv_padding) if mesh.cp > 1 else None
+                                                 min_chunk=model.conv_padding,
+                                                 chunks_per_rank=chunks) if mesh.cp > 1 else None
                 if problem:
                     raise ZayaError(f"{run.source}: seq_len {phase.seq_len} over cp = {mesh.cp}: {problem}")
         except ZayaError as exc:
@@ -304,8 +312,10 @@ def plan_run(run: ResolvedRun, device: DeviceSpec, table=None, gpus_per_node: in
             problems.append(f"phase '{phase.name}': {str(exc).split(': ', 1)[-1]}")
             continue
         full = run.train.global_batch_size
-        planned = plan_phase(run, mesh, phase.seq_len, device, rates, details, phase.name)
-        seconds = {batch: plan_phase(run, mesh, phase.seq_len, device, rates, details, phase.name, batch).time.total
+        documents = phase_documents(phase, index, phase.seq_len)
+        planned = plan_phase(run, mesh, phase.seq_len, device, rates, details, phase.name, documents=documents)
+        seconds = {batch: plan_phase(run, mesh, phase.seq_len, device, rates, details, phase.name, batch,
+                                     documents).time.total
                    for batch in {batch for batch, _ in runs} - {full}}
         seconds[full] = planned.time.total
         planned.steps = sum(steps for _, steps in runs)

@@ -104,6 +104,10 @@ class Phase:
     rope_theta: float = 0.0  # 0: keep the model's
     cp: int = 0  # context-parallel ranks per sequence in this phase; 0: parallel.cp
     isolate_documents: bool | None = None  # keep packed documents apart (an SFT phase); unset: data's
+    # the mean tokens per document `zaya plan` assumes for a phase that keeps documents apart: its attention
+    # work is about seq_len x document_tokens / 2 pairs a row instead of seq_len^2 / 2 (docs/planning.md);
+    # 0: the phase datasets' manifests (num_tokens / num_documents) where they are found, else the whole row
+    document_tokens: int = 0
     # start this phase from these weights (as train.init_from takes them) with a fresh optimizer, e.g. SFT from
     # another model after continued pre-training; "": go on from the previous phase's weights
     init_from: str = ""

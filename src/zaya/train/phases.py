@@ -10,7 +10,10 @@ Supervised fine-tuning needs nothing else: a chat dataset's batches carry its lo
 (`zaya.data.loss_mask`), and `micro_loss` turns the tokens left out into IGNORE_INDEX targets, so the loss (and
 the held-out loss, which goes through it too) is the mean over the assistant tokens of each micro-batch. A phase
 that keeps documents apart (`isolate_documents`) gives the model each token's position in its document, from the
-dataset's eos that ends every document (`zaya.model.documents`).
+dataset's eos that ends every document (`zaya.model.documents`), and plans its attention from the micro-batch's
+copy on the host, which the trainer keeps, so that nothing is read back from the device. Split over a cp group,
+each micro-batch gets a split of its own (`ContextParallel.for_documents`): its chunks (cp x
+`parallel.cp_document_chunks`) dealt out to the ranks by their attention work, and attention within documents.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from pathlib import Path
 import torch
 
 from zaya.data.loader import TokenLoader
-from zaya.data.loss_mask import inputs_and_targets
+from zaya.data.loss_mask import inputs_and_targets, token_ids
 from zaya.errors import ZayaError
-from zaya.model.documents import packed_documents
+from zaya.model.documents import Documents, document_positions, packed_documents
 from zaya.model.flops import training_flops_per_token
 from zaya.model.loss import IGNORE_INDEX
+from zaya.model.masks import DocumentLayout
 from zaya.model.transformer import RouterStats, Zaya
 from zaya.parallel.context import ContextParallel, SequenceLayout
 from zaya.parallel.mesh import ParallelContext
@@ -124,22 +128,32 @@ class Curriculum:
         progress.phase_tokens = 0
         return self.phase(progress).cp != before.cp
 
-    def micro_loss(self, model: Zaya, micro: torch.Tensor, stats: RouterStats | None) -> tuple[torch.Tensor, float]:
+    def micro_loss(self, model: Zaya, micro: torch.Tensor, stats: RouterStats | None,
+                   host: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
         """The next-token loss of the micro-batch `micro` [b, seq_len + 1] (over the tokens its loss mask keeps),
-        and the factor its gradient needs.
+        and the factor its gradient needs. `host`: the same rows on the host, from which a phase that keeps
+        documents apart plans its attention (without them they are read back from the device).
 
         Split over a cp group, each rank's loss is its part of the micro-batch's mean (its tokens' summed
         loss over the micro-batch's valid tokens), so that the parts add up to the unsplit loss; FSDP2
         averages gradients over dp_shard x cp, so the gradient is taken of cp times the part."""
         inputs, targets = inputs_and_targets(micro, IGNORE_INDEX)
-        cp = self.sequence
+        cp, separator = self.sequence, self.separator
+        host_ids = None if separator is None else token_ids((micro if host is None else host)[:, :-1].cpu())
         if cp is None:
-            documents = None if self.separator is None else packed_documents(inputs, self.separator)
+            documents = None if separator is None else packed_documents(inputs, separator, host_ids=host_ids)
             return model.loss(inputs, targets, router_stats=stats, documents=documents), 1.0
         valid = targets != IGNORE_INDEX
+        documents = None
+        if separator is not None:  # this micro-batch's own split, its chunks dealt out by attention work
+            positions = document_positions(inputs, separator)
+            cp = cp.for_documents(DocumentLayout.from_tokens(host_ids, separator), positions,
+                                  chunks_per_rank=self.run.parallel.cp_document_chunks)
+            documents = Documents(cp.shard(positions), None)
         inputs, targets = cp.shard(inputs), cp.shard(targets)
         share = (targets != IGNORE_INDEX).sum() / valid.sum().clamp_min(1)
-        loss = model.loss(inputs, targets, router_stats=stats, sequence=cp, positions=cp.positions(micro.device))
+        loss = model.loss(inputs, targets, router_stats=stats, sequence=cp, positions=cp.positions(micro.device),
+                          documents=documents)
         return loss * share, float(cp.size)
 
     def close(self) -> None:

@@ -75,7 +75,10 @@ class ResolvedRun:
             own = phase < len(configured) and configured[phase].get("seq_len")
             key = f"phases.{phase}.seq_len" if own else "data.seq_len"
             seq_len, sharding = self.phases[phase].seq_len, self.parallel.cp_sharding
-            problem = sequence_split_problem(seq_len, cp, sharding, min_chunk=self.model.conv_padding)
+            # a phase that keeps packed documents apart cuts its sequences into cp x cp_document_chunks chunks
+            chunks = self.parallel.cp_document_chunks if self.phases[phase].isolate_documents else None
+            problem = sequence_split_problem(seq_len, cp, sharding, min_chunk=self.model.conv_padding,
+                                             chunks_per_rank=chunks)
             if problem:
                 raise ZayaError(f"{self.source}: key '{key}' = {seq_len} with parallel.cp = {cp} ({sharding} "
                                 f"sharding): {problem}")

@@ -295,7 +295,8 @@ class Trainer:
         self.hooks("step-work", step)
         global_batch = self.config.ramp.at(progress.samples)
         before = loader.consumed_samples
-        batch = loader.next_batch(global_batch).to(self.device, non_blocking=True)
+        host_batch = loader.next_batch(global_batch)  # kept: packed documents are planned from it
+        batch = host_batch.to(self.device, non_blocking=True)
         self.signals.note_window(before, loader.consumed_samples)
         host_time = time.perf_counter() - host_started  # before the first collective: nobody waits here
         scale = self.hooks.loss_scale(step)
@@ -307,7 +308,8 @@ class Trainer:
             micro = batch[start:start + train.micro_batch_size]
             accumulate(self.model, self.config.parallelize.sharding, last=start + micro.shape[0] == rows)
             with self._autocast():
-                loss, grad_factor = self.curriculum.micro_loss(self.model, micro, routes)
+                loss, grad_factor = self.curriculum.micro_loss(self.model, micro, routes,
+                                                               host_batch[start:start + train.micro_batch_size])
                 if scale != 1.0:
                     loss = loss * scale
             (loss * (grad_factor * micro.shape[0] / rows)).backward()
@@ -387,12 +389,14 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         batches = 0
-        for batch in self.curriculum.loader.iter_eval_batches(train.global_batch_size, max_batches=train.eval_batches):
-            batch = batch.to(self.device)
+        for host_batch in self.curriculum.loader.iter_eval_batches(train.global_batch_size,
+                                                                   max_batches=train.eval_batches):
+            batch = host_batch.to(self.device)
             for start in range(0, batch.shape[0], train.micro_batch_size):
                 micro = batch[start:start + train.micro_batch_size]
                 with self._autocast():
-                    loss = self.curriculum.micro_loss(self.model, micro, None)[0].double()
+                    loss = self.curriculum.micro_loss(self.model, micro, None,
+                                                      host_batch[start:start + train.micro_batch_size])[0].double()
                 total += loss * (micro.shape[0] / batch.shape[0])
             batches += 1
         release(self.model, self.config.parallelize.sharding)
