@@ -30,6 +30,10 @@ from zaya.model.masks import CAUSAL, MASKED, allowed
 # 4.5 ms, forward and backward of 8 heads); square blocks it runs 2-3x faster at any size.
 _FUSED_MIN_QUERIES = 32
 _EXPLICIT_SCORES = 1 << 22  # scores per head the explicit path forms at once (16 MiB in fp32)
+# A segment with more query elements than this runs one (row, KV head) at a time: a kernel's outputs are fresh
+# tensors of the segment's size (g-fold for the key gradients of grouped queries) that exist beside the
+# accumulators, and a long document's would be most of a layer's attention memory again.
+_SPLIT_ELEMENTS = 1 << 21
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -188,6 +192,16 @@ class Segments:
                    kind == CAUSAL, mask)
 
 
+def _parts(q5: Tensor, rows: slice, qs: slice) -> list[tuple[slice, slice]]:
+    """(rows, KV heads) to run one segment of queries `qs` in: all at once, or where it is large
+    (`_SPLIT_ELEMENTS`) one row and KV head at a time."""
+    B, Hk, g, _, d = q5.shape
+    every = rows.start is None
+    if (B if every else 1) * Hk * g * (qs.stop - qs.start) * d < _SPLIT_ELEMENTS:
+        return [(rows, slice(None))]
+    return [(slice(r, r + 1), slice(h, h + 1)) for r in (range(B) if every else [rows.start]) for h in range(Hk)]
+
+
 def segments_forward(q5: Tensor, k: Tensor, v: Tensor, segments: Segments, scale: float,
                      out: Tensor, lse: Tensor, *, fresh: bool = False) -> None:
     """Merge the segments' partial attention of q5 [B, Hk, g, Lq, d] over k, v [B, Hk, Lk, d] into the
@@ -195,10 +209,11 @@ def segments_forward(q5: Tensor, k: Tensor, v: Tensor, segments: Segments, scale
     accumulators hold nothing yet, so the partials of disjoint segments are written, not merged."""
     write = fresh and segments.disjoint
     for rows, qs, ks, causal, mask in segments:
-        o, s = block_forward(q5[rows, :, :, qs], k[rows, :, ks], v[rows, :, ks], causal, scale, mask)
-        if not write:
-            o, s = merge((out[rows, :, :, qs], lse[rows, :, :, qs]), o, s)
-        out[rows, :, :, qs], lse[rows, :, :, qs] = o, s
+        for r, h in _parts(q5, rows, qs):
+            o, s = block_forward(q5[r, h, :, qs], k[r, h, ks], v[r, h, ks], causal, scale, mask)
+            if not write:
+                o, s = merge((out[r, h, :, qs], lse[r, h, :, qs]), o, s)
+            out[r, h, :, qs], lse[r, h, :, qs] = o, s
 
 
 def segments_backward(q5: Tensor, k: Tensor, v: Tensor, segments: Segments, scale: float, do5: Tensor,
@@ -207,9 +222,10 @@ def segments_backward(q5: Tensor, k: Tensor, v: Tensor, segments: Segments, scal
     each query, or key, is in one segment only: each is then written once). `delta` None: each segment that
     needs it forms its own part."""
     for rows, qs, ks, causal, mask in segments:
-        dq, dkk, dvv = block_backward(q5[rows, :, :, qs], k[rows, :, ks], v[rows, :, ks], causal, scale,
-                                      do5[rows, :, :, qs], lse[rows, :, :, qs],
-                                      None if delta is None else delta[rows, :, :, qs], out5[rows, :, :, qs], mask)
-        dq5[rows, :, :, qs] += dq
-        dk[rows, :, ks] += dkk
-        dv[rows, :, ks] += dvv
+        for r, h in _parts(q5, rows, qs):
+            dq, dkk, dvv = block_backward(q5[r, h, :, qs], k[r, h, ks], v[r, h, ks], causal, scale, do5[r, h, :, qs],
+                                          lse[r, h, :, qs], None if delta is None else delta[r, h, :, qs],
+                                          out5[r, h, :, qs], mask)
+            dq5[r, h, :, qs] += dq
+            dk[r, h, ks] += dkk
+            dv[r, h, ks] += dvv
