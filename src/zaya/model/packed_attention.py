@@ -1,7 +1,7 @@
 """Attention over packed documents on one device, as one operator: `packed_attention(q, k, v, segments, first)`.
 
 The segments (`zaya.model.masks`) are a host tensor, planned from the tokens before they reached the device, so
-running them reads nothing back from it; the operator is a `torch.library` custom op, so a compiled block
+running them reads nothing back from it; the operator is a custom op of torch's operator registry, so a compiled block
 keeps it inside its one graph (its shape is q's, whatever the documents) and calls it as it is. Forward runs
 every segment's fused kernel and keeps the global log-sum-exp; backward runs each segment's backward from it
 (`zaya.model.segment_attention`). Memory beyond the kernels' own: the output, the log-sum-exp and, per MASKED
@@ -15,6 +15,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch import library as registry
 
 from zaya.device import autocast_dtype
 from zaya.model.segment_attention import Segments, acc_dtype, segments_backward, segments_forward
@@ -58,7 +59,7 @@ def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-_forward = torch.library.custom_op("zaya::packed_attention", attend, mutates_args=())
+_forward = registry.custom_op("zaya::packed_attention", attend, mutates_args=())
 
 
 # The fake outputs have the real ones' strides, contiguous, whatever the inputs' (q and k come in transposed): a
@@ -68,7 +69,7 @@ def _(q, k, v, segments, first, window):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
 
-_backward = torch.library.custom_op("zaya::packed_attention_backward", attend_backward, mutates_args=())
+_backward = registry.custom_op("zaya::packed_attention_backward", attend_backward, mutates_args=())
 
 
 @_backward.register_fake
