@@ -29,7 +29,7 @@ from zaya.data.dataset_reader import read_manifest
 from zaya.data.shards import MANIFEST_FILE
 from zaya.train.config import Phase
 
-MIN_BLOCK = 128  # a fused kernel's block of queries and keys; the CPU kernel packs documents of < 16 into 128
+MIN_BLOCK = 128  # a fused kernel's block of queries and keys; shorter documents cost about a block each
 
 
 @dataclass(frozen=True)
