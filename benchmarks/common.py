@@ -21,6 +21,22 @@ from pathlib import Path
 import torch
 
 
+def refuse_existing(path: Path | None) -> None:
+    """Stop in one line, before any work, if an output file named on the command line is there already: a
+    benchmark writes only files it creates."""
+    if path is not None and os.path.lexists(path):
+        raise SystemExit(f"{path}: already there; name a new file for the results")
+
+
+def write_new(path: Path, data: object) -> None:
+    """`data` as JSON into `path`, created here (never over a file that appeared since `refuse_existing`)."""
+    try:
+        with open(path, "x", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2)
+    except FileExistsError:
+        raise SystemExit(f"{path}: already there; name a new file for the results") from None
+
+
 def machine() -> str:
     """CPU model (with its family and model numbers and whether it has native bf16 instructions: virtual
     machines often report only "AMD EPYC"), core count and torch build, for the header every benchmark prints."""

@@ -21,13 +21,12 @@ serves a micro-batch); and the host time to plan a micro-batch's balanced layout
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 
-from common import header, time_it
+from common import header, refuse_existing, time_it, write_new
 from zaya.model.masks import DocumentLayout
 from zaya.parallel.context import SequenceLayout
 from zaya.parallel.document_balance import chunk_work, greedy, imbalance, rank_work
@@ -89,6 +88,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    refuse_existing(args.json)
     header(f"attention work per cp rank with packed documents, head-tail vs dealt out by work, {args.rows} rows "
            f"per mix, micro-batches of {args.batch}")
     started = time.perf_counter()
@@ -116,8 +116,7 @@ def main() -> None:
     print(f"# {time.perf_counter() - started:.1f} s; plan ms: SequenceLayout.balanced of one micro-batch of "
           f"{args.batch} rows, 8 chunks per rank")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results},
-                                        indent=2), encoding="utf-8")
+        write_new(args.json, {"args": vars(args) | {"json": str(args.json)}, "results": results})
 
 
 if __name__ == "__main__":

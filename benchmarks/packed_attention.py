@@ -209,8 +209,9 @@ def main() -> None:
     if args.repeats < 1 or min(args.seq) < 16 or min(args.mean) < 1:
         parser.error("--repeats and --mean must be at least 1, --seq at least 16")
 
-    from common import header
+    from common import header, refuse_existing
 
+    refuse_existing(args.json)
     header(f"packed-document attention, {HEADS} q heads over {KV_HEADS} kv heads of {HEAD_DIM}, batch 1, "
            f"{args.dtype}, forward + backward, {os.cpu_count()} cores; documents lognormal (sigma 1, seed "
            f"{args.seed}); median of {args.repeats} after 1 warm-up; peak RSS over the inputs, one process a case")
@@ -260,11 +261,10 @@ def main() -> None:
         print("# note: the peak resident set could not be reset here: a transient while building the inputs "
               "may hide part of a pass's peak")
     if args.json is not None:
-        from common import machine
+        from common import machine, write_new
 
-        args.json.write_text(json.dumps({"date": datetime.date.today().isoformat(), "machine": machine(),
-                                         "args": {k: str(v) for k, v in vars(args).items() if k != "case"},
-                                         "rows": rows}, indent=2))
+        write_new(args.json, {"date": datetime.date.today().isoformat(), "machine": machine(),
+                              "args": {k: str(v) for k, v in vars(args).items() if k != "case"}, "rows": rows})
 
 
 if __name__ == "__main__":
