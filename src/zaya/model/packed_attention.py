@@ -18,20 +18,14 @@ from torch import Tensor
 from torch import library as registry
 
 from zaya.device import autocast_dtype
-from zaya.model.segment_attention import Segments, acc_dtype, segments_backward, segments_forward
-
-
-def _split(x: Tensor, num_kv: int) -> Tensor:
-    """[B, Hq, T, d] -> [B, Hk, g, T, d]."""
-    B, Hq, T, d = x.shape
-    return x.view(B, num_kv, Hq // num_kv, T, d)
+from zaya.model.segment_attention import Segments, acc_dtype, query_groups, segments_backward, segments_forward
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, segments: Tensor, first: Tensor, window: int) -> tuple[Tensor, Tensor]:
     """The operator's forward, as a plain function: output [B, Hq, T, d] in q's dtype and log-sum-exp
     [B, Hq, T] in the accumulation dtype (`window` 0: none)."""
     B, Hq, T, d = q.shape
-    q5 = _split(q.contiguous(), k.shape[1])
+    q5 = query_groups(q.contiguous(), k.shape[1])
     acc = acc_dtype(q.dtype)
     plan = Segments(segments, 0, 0, first, window if window > 0 else None)
     # each query in one segment: its output is written once, in q's dtype (bf16 needs no fp32 copy of it all)
@@ -45,7 +39,7 @@ def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
                     first: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
     """The operator's backward, as a plain function: dq, dk, dv in the inputs' dtypes."""
     Hk, d = k.shape[1], q.shape[-1]
-    q5, do5, out5 = _split(q.contiguous(), Hk), _split(dout.contiguous(), Hk), _split(out.contiguous(), Hk)
+    q5, do5, out5 = (query_groups(x.contiguous(), Hk) for x in (q, dout, out))
     lse5 = lse.view(q5.shape[:-1])
     acc = lse.dtype
     plan = Segments(segments, 0, 0, first, window if window > 0 else None)

@@ -41,6 +41,12 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def query_groups(x: Tensor, num_kv: int) -> Tensor:
+    """[B, Hq, T, d] -> [B, Hk, g, T, d]: the query heads of each KV head side by side (a view where it can be)."""
+    B, Hq, T, d = x.shape
+    return x.reshape(B, num_kv, Hq // num_kv, T, d)
+
+
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 

@@ -38,6 +38,7 @@ from zaya.model.masks import DocumentLayout, segment_work
 from zaya.model.segment_attention import (
     Segments,
     acc_dtype,
+    query_groups,
     segments_backward,
     segments_forward,
 )
@@ -109,18 +110,12 @@ def _wait(requests: list) -> None:
 
 # ---- the kernels ----------------------------------------------------------------------------------------
 
-def _split(x: Tensor, num_kv: int) -> Tensor:
-    """[B, Hq, T, d] -> [B, Hk, g, T, d]."""
-    B, Hq, T, d = x.shape
-    return x.reshape(B, num_kv, Hq // num_kv, T, d)
-
-
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, cp) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, T, d] in q's dtype, lse [B, Hk, g, T] in the accumulation dtype)."""
     B, Hq, T, d = q.shape
     scale = 1.0 / math.sqrt(d)
     plan = cp.attention_plan(B, q.device)
-    q5 = _split(q, k.shape[1])
+    q5 = query_groups(q, k.shape[1])
     acc = acc_dtype(q.dtype)
     out = torch.zeros(q5.shape, dtype=acc, device=q.device)
     lse = torch.full(q5.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -153,7 +148,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     scale = 1.0 / math.sqrt(d)
     plan = cp.attention_plan(B, q.device)
     acc = lse.dtype
-    q5, do5, out5 = _split(q, Hk), _split(dout, Hk), _split(out, Hk)
+    q5, do5, out5 = query_groups(q, Hk), query_groups(dout, Hk), query_groups(out, Hk)
     delta = (do5.to(acc) * out5.to(acc)).sum(-1)
     dq5 = torch.zeros(q5.shape, dtype=acc, device=q.device)
 
