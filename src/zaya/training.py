@@ -58,7 +58,7 @@ from zaya.train.log import RunLog
 from zaya.train.preflight import check_eval_splits
 from zaya.train.run import ResolvedRun
 from zaya.train.setup import TrainerSetup
-from zaya.train.stops import time_origin
+from zaya.train.stops import process_start, time_origin
 from zaya.train.trainer import Trainer
 from zaya.train.wandb_sink import check_wandb
 from zaya.weights import WeightSource
@@ -170,6 +170,7 @@ class TrainingJob:
                                   cache_dir(self.environ)),
             policy=self.policy, incidents_file=supervision.incidents_file, run_attempt=supervision.run_attempt,
             hooks=Hooks(listeners, scales), origin=time_origin(self.environ),
+            started=None if "clock" in setup else process_start(),  # a caller's own clock: from the trainer's start
             wandb_environ_mode=self.environ.get("WANDB_MODE", ""),
             forecast=self.forecast or Forecast.for_run(run, self.device, launch.local_world_size, table),
             report_plots=report_plots,
@@ -200,7 +201,7 @@ def nothing_to_do(trainer: Trainer, run_dir: Path | str) -> str:
     step, train, clock = trainer.progress.step, trainer.config.train, trainer.stops.clock
     if train.time_budget_s and clock.schedule_steps and clock.schedule_steps < train.max_steps:
         return (f"nothing to do: {run_dir} spent its time budget (train.time_budget_s = {train.time_budget_s:g} s, "
-                f"{clock.train_seconds:,.0f} s trained) and ended with its learning-rate decay at step {step} (of "
+                f"{clock.run_seconds:,.0f} s spent) and ended with its learning-rate decay at step {step} (of "
                 f"train.max_steps = {train.max_steps:,}); to train on from its weights, start a new run: "
                 f"--set train.init_from={run_dir} --run-dir ANOTHER_DIR")
     return f"nothing to do: {run_dir} is already at step {step} of train.max_steps = {train.max_steps:,}"

@@ -187,8 +187,9 @@ def test_a_time_budget_times_the_decay_and_ends_the_run(dataset, tmp_path):
     assert lrs[start] == 1.0 and all(lrs[s] < 1.0 for s in range(start + 1, end + 1))
     assert lrs[start + 3] == pytest.approx(1 - (3 / (end - start)) ** 0.5, abs=1e-9)  # the 1-sqrt shape
     assert lrs[end] == 0.0
-    # at 1 s per step the decay starts once 60% of the 40 s are trained and ends with the budget
-    assert start == 25 and end == 41 and state["train_seconds"] == end - 1
+    # at 1 s per step the decay starts once 60% of the 40 s are spent (a step's second counts from its own end)
+    # and the run ends with the budget: 40 s of wall time (its steps' times are added one step late)
+    assert (start, end, state["train_seconds"], state["run_seconds"]) == (24, 40, 39, 40)
     line = next(x for x in (run / "train.log").read_text().splitlines() if "time budget" in x)
     assert f"from step {start} to step {end}" in line
     json.dumps(state)  # the decision travels in the checkpoint
@@ -220,6 +221,32 @@ def test_a_time_budget_ends_with_its_time_when_the_load_changes_during_the_decay
     assert abs(trained - 40.0) <= 0.05 * 40.0, (trained, len(rows))  # at a fixed plan: 52 s slower, 34.5 faster
     lrs = [row["lr_multiplier"] for row in rows]
     assert all(a >= b for a, b in itertools.pairwise(lrs[2:])) and lrs[-1] == 0.0  # after the warmup
+
+
+class _PausingClock(SteppedClock):
+    """Steps of `step_s` seconds, and every evaluation takes `eval_s` of the same clock."""
+
+    def __init__(self, step_s: float, eval_s: float):
+        super().__init__(step_s)
+        self.eval_s = eval_s
+
+    def listen(self, event: str, step: int, path: Path | None = None) -> None:
+        super().listen(event, step, path)
+        if event == "eval":
+            self.now += self.eval_s
+
+
+def test_a_time_budget_counts_evaluations_and_ends_with_the_wall_clock(dataset, tmp_path):
+    config = write_config(tmp_path / "run.toml", dataset,
+                          train={"max_steps": 100_000, "time_budget_s": 60.0, "eval_every": 4, "eval_batches": 1},
+                          schedule={"warmup_steps": 2, "decay_fraction": 0.4}, checkpoint={"every": 1000})
+    clock = _PausingClock(1.0, 2.0)  # a third of the loop's time goes to evaluations
+    run = tmp_path / "run"
+    build_trainer(load_config(config), run, clock=clock, timer=clock, hooks=Hooks([clock.listen])).run()
+    rows = read_metrics(run)
+    # counted in steps alone, the run would have taken about 90 s
+    assert 57.0 <= clock.now <= 63.0 and 36 <= rows[-1]["step"] <= 44, (clock.now, rows[-1]["step"])
+    assert rows[-1]["lr_multiplier"] == 0.0
 
 
 @pytest.mark.slow

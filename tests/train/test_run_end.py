@@ -41,7 +41,7 @@ def test_a_rerun_of_a_run_whose_time_budget_is_spent_says_so(dataset, tmp_path, 
     code, out, _ = cli("train", config, "--run-dir", run)
     assert code == 0
     assert out.splitlines()[-1] == (f"nothing to do: {run} spent its time budget (train.time_budget_s = 4 s, 4 s "
-                                    f"trained) and "
+                                    f"spent) and "
                            f"ended with its learning-rate decay at step {last['step']} (of train.max_steps = 1,000); "
                            f"to train on from its weights, start a new run: --set train.init_from={run} --run-dir "
                            "ANOTHER_DIR"), out

@@ -105,9 +105,11 @@ def _clock(state: Fields) -> Clock:
              for name in ("step_times", "sample_times")}
     if any(t < 0 for ts in times.values() for t in ts):
         raise ZayaError(f"{state.source}: field 'state.step_times' and 'state.sample_times' must not be negative")
-    return Clock(train_seconds=state.float("train_seconds", 0.0, lo=0.0), save_seconds=state.float(
-        "save_seconds", 0.0, lo=0.0), decay_start=state.int("decay_start", 0, lo=0, hi=COUNT),
-        schedule_steps=state.int("schedule_steps", 0, lo=0, hi=COUNT), **times)
+    seconds = {name: state.float(name, 0.0, lo=0.0) for name in ("train_seconds", "save_seconds", "eval_seconds")}
+    # a checkpoint from before the budget counted wall time: its steps' time is what it had spent
+    seconds["run_seconds"] = state.float("run_seconds", seconds["train_seconds"], lo=0.0)
+    return Clock(**seconds, decay_start=state.int("decay_start", 0, lo=0, hi=COUNT),
+                 schedule_steps=state.int("schedule_steps", 0, lo=0, hi=COUNT), **times)
 
 
 def check_resumable(directory: Path) -> None:

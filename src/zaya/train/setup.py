@@ -45,6 +45,7 @@ class TrainerSetup:
     run_attempt: int = 0  # the supervisor's restart count, for incident records
     hooks: Hooks = field(default_factory=Hooks)  # heartbeats, fault injection
     origin: float = field(default_factory=time.time)  # what train.max_time_s counts from, by `clock`
+    started: float | None = None  # this process's start by `clock`, for train.time_budget_s; None: the trainer's
     # the stop rules' clocks: the wall clock (deadlines) and the timer of steps and saves (their durations feed
     # train.max_time_s and a time budget); tests give both a clock of their own
     clock: Callable[[], float] = time.time

@@ -14,9 +14,11 @@ resumes with nothing lost; a time budget times the learning-rate decay.
     train.max_time_s      a wall-clock limit counted from the job's start (`time_origin`): the run stops
                           when the time left no longer covers one more step and a checkpoint (the slowest
                           recent step, the last save's duration), also with exit 75.
-    train.time_budget_s   the decay of the wsd schedule starts when the budget's last `decay_fraction`
-                          begins and spans the time left at the measured step rate (`timed_decay`); the
-                          run then ends with the decay, exit 0.
+    train.time_budget_s   the run's wall time in all, summed over resumes: start-up, steps, evaluations
+                          and checkpoints. The decay of the wsd schedule starts when the budget's last
+                          `decay_fraction` begins and spans the time left (less the last evaluation's and
+                          checkpoint's, which the end repeats) at the measured step rate, scaled by the
+                          loop's own pace (`timed_decay`); the run then ends with the decay, exit 0.
 
 Every rank takes the same decision: the requests travel in the step's one reduction of statistics (a signal
 that reached any rank stops all of them at the same step), and every time figure is rank 0's.
@@ -131,6 +133,12 @@ def time_origin(environ: Mapping[str, str]) -> float:
     return started if started is not None else _PROCESS_START
 
 
+def process_start() -> float:
+    """When this process began, as the wall clock counts (where /proc tells; else when this module was imported)."""
+    started = _process_start(os.getpid())
+    return started if started is not None else _PROCESS_START
+
+
 _PROCESS_START = time.time()  # the import's time: close to the process start where /proc is not available
 
 
@@ -177,21 +185,21 @@ def deadline_reached(max_time_s: float, origin: float, clock: StepClock, now: fl
     return now - origin + clock.needed() >= max_time_s
 
 
-def timed_decay(step: int, trained_s: float, budget_s: float, decay_fraction: float, warmup_steps: int,
+def timed_decay(step: int, spent_s: float, budget_s: float, decay_fraction: float, warmup_steps: int,
                 sample_seconds: float, planned_decay_start: int, samples: int = 0,
                 batch_at: Callable[[int], int] = lambda samples: 1) -> int | None:
     """The total step count of a wsd schedule timed to a budget, once its decay is due, else None.
 
-    The decay is due when `trained_s` reaches the budget's stable share, (1 - decay_fraction) * budget_s,
+    The decay is due when `spent_s` reaches the budget's stable share, (1 - decay_fraction) * budget_s,
     after warmup and before the step-counted decay (`planned_decay_start`, from max_steps) would begin. It then
     takes the time left, at `sample_seconds` per sequence and the batch the ramp gives at each step
     (`batch_at(samples)`, from `samples` consumed), so the run ends about when the budget does even while the
     batch still grows."""
     if budget_s <= 0 or step < warmup_steps or step >= planned_decay_start or sample_seconds <= 0:
         return None
-    if trained_s < (1.0 - decay_fraction) * budget_s:
+    if spent_s < (1.0 - decay_fraction) * budget_s:
         return None
-    return step + steps_within(budget_s - trained_s, sample_seconds, samples, batch_at, planned_decay_start - step)
+    return step + steps_within(budget_s - spent_s, sample_seconds, samples, batch_at, planned_decay_start - step)
 
 
 def steps_within(left_s: float, sample_seconds: float, samples: int, batch_at: Callable[[int], int],
@@ -212,9 +220,13 @@ class Clock:
     """The run's time so far, by rank 0's clock; saved in every checkpoint, so that a resume keeps it."""
 
     train_seconds: float = 0.0  # time spent in steps, summed over resumes
+    # wall time spent by the run (start-up, steps, evaluations, checkpoints), summed over resumes; what
+    # train.time_budget_s counts
+    run_seconds: float = 0.0
     step_times: list[float] = field(default_factory=list)  # the recent steps' times, for the stop rules
     sample_times: list[float] = field(default_factory=list)  # the same per sequence, for a timed decay
     save_seconds: float = 0.0  # how long the last checkpoint took
+    eval_seconds: float = 0.0  # how long the last evaluation took
     # with train.time_budget_s, once the decay is timed: the step it began at and the schedule's last step
     decay_start: int = 0
     schedule_steps: int = 0
@@ -225,9 +237,14 @@ class StopRules:
     stopped early. `say` reports decisions."""
 
     def __init__(self, train: TrainSection, schedule: ScheduleConfig, ramp: BatchRamp, origin: float, *,
-                 is_main: bool, say: Callable[[str], None], clock: Callable[[], float] = time.time):
+                 is_main: bool, say: Callable[[str], None], clock: Callable[[], float] = time.time,
+                 started: float | None = None):
         self.train, self.base_schedule, self.ramp = train, schedule, ramp
         self.origin, self.clock_now = origin, clock  # train.max_time_s counts from `origin` by `clock`
+        # this process's start by `clock` (default: now): its time joins the run's at the first step
+        self.started = clock() if started is None else started
+        self._earlier: float | None = None  # the run's wall time before this process (its checkpoint's)
+        self._paced: tuple[float, float] | None = None  # (run_seconds, train_seconds) at the first timed step
         self.is_main, self.say = is_main, say
         self.clock = Clock()
         self.request = StopRequest(train.stop_grace_s, announce=is_main, say=say)
@@ -259,39 +276,59 @@ class StopRules:
         stats.sum("stop_signal", float(self.request.requested))
         stats.from_main("deadline", float(self.is_main and self.deadline()))
         stats.from_main("previous_seconds", self.last_seconds)
+        if self._earlier is None:  # the first step of this process, after any resume replaced the clock
+            self._earlier = self.clock.run_seconds
+        stats.from_main("run_seconds", self._earlier + self.clock_now() - self.started)
 
     def take(self, reduced: dict, step: int, samples: int) -> str | None:
         """Apply what the step's reduction brought (the same on every rank): rank 0's time for the previous step
         and the time budget's decay decision; returns why the run must stop after this step, if it must."""
         previous, clock = float(reduced["previous_seconds"]), self.clock
+        clock.run_seconds = float(reduced["run_seconds"])
         if previous > 0 and self.last_batch:
             clock.train_seconds += previous
             clock.step_times = [*clock.step_times, previous][-_RECENT:]
             clock.sample_times = [*clock.sample_times, previous / self.last_batch][-_RECENT:]
+            if self._paced is None:
+                self._paced = (clock.run_seconds, clock.train_seconds)
         train, schedule = self.train, self.base_schedule
         if train.time_budget_s and clock.schedule_steps and clock.sample_times:
             # the last few steps' rate: a change of load shows in two steps, where the ten-step median lags
-            self._replan(step, samples, statistics.median(clock.sample_times[-_REPLAN_RECENT:]))
+            self._replan(step, samples, statistics.median(clock.sample_times[-_REPLAN_RECENT:]) * self.pace())
         elif train.time_budget_s and clock.sample_times:
             planned = schedule.total_steps - schedule.decay_steps
-            rate = statistics.median(clock.sample_times)
-            total = timed_decay(step, clock.train_seconds, train.time_budget_s, schedule.decay_fraction,
+            rate = statistics.median(clock.sample_times) * self.pace()
+            total = timed_decay(step, clock.run_seconds, self.budget_s(), schedule.decay_fraction,
                                 schedule.warmup_steps, rate, planned, samples, self.ramp.at)
             if total is not None:
                 clock.decay_start, clock.schedule_steps = step, total
-                self.say(f"time budget: {clock.train_seconds:.0f} of {train.time_budget_s:.0f} s trained; the "
+                self.say(f"time budget: {clock.run_seconds:.0f} of {train.time_budget_s:.0f} s spent; the "
                          f"decay runs from step {step} to step {total} (the rest of the budget at "
-                         f"{rate * 1e3:.1f} ms per sequence, with the batch ramp; re-planned as the rate changes)")
+                         f"{rate * 1e3:.1f} ms per sequence, evaluations and checkpoints included, with the "
+                         "batch ramp; re-planned as the rate changes)")
         if reduced["stop_signal"]:
             return "signal"
         return "max_time_s" if reduced["deadline"] else None
+
+    def pace(self) -> float:
+        """The loop's wall time per second of steps in this process (at least 1): evaluations, checkpoints and
+        logging between the steps take their share of the budget as the steps take theirs."""
+        if self._paced is None:
+            return 1.0
+        stepped = self.clock.train_seconds - self._paced[1]
+        return max(1.0, (self.clock.run_seconds - self._paced[0]) / stepped) if stepped > 0 else 1.0
+
+    def budget_s(self) -> float:
+        """The time budget less what its end costs after the last step: an evaluation and a checkpoint."""
+        end = self.clock.save_seconds + (self.clock.eval_seconds if self.train.eval_every else 0.0)
+        return self.train.time_budget_s - end
 
     def eta_seconds(self, step: int) -> float | None:
         """The time the run has left after `step`, by rank 0's clock: the rest of the time budget until its decay
         is timed, else the steps left at the median recent step's time (None before a step was timed)."""
         clock = self.clock
         if self.train.time_budget_s and not clock.schedule_steps:
-            return max(0.0, self.train.time_budget_s - clock.train_seconds)
+            return max(0.0, self.train.time_budget_s - clock.run_seconds)
         if not clock.step_times:
             return None
         return max(0, self.end_step() - step) * statistics.median(clock.step_times)
@@ -304,7 +341,7 @@ class StopRules:
         start, end = clock.decay_start, clock.schedule_steps
         if step >= end:
             return
-        left = self.train.time_budget_s - clock.train_seconds
+        left = self.budget_s() - clock.run_seconds
         planned = step + steps_within(left, rate, samples, self.ramp.at, self.train.max_steps - step)
         if step > start:  # the next step's t, (step + 1 - start) / (end - start), may not fall below the last one's
             planned = min(planned, start + (step + 1 - start) * (end - start) // (step - start))

@@ -99,7 +99,7 @@ class Trainer:
         is_main = self.launch.is_main
         self.curriculum = Curriculum(run, allow_data_change=setup.allow_data_change)
         self.stops = StopRules(run.train, run.schedule, run.ramp, setup.origin, is_main=is_main, say=self.log,
-                               clock=setup.clock)
+                               clock=setup.clock, started=setup.started)
         incidents = IncidentLog(setup.incidents_file or self.run_dir / INCIDENTS_FILE)
         self.signals = TrainingSignals(setup.policy, incidents, attempt=setup.run_attempt, is_main=is_main,
                                        say=self.log)
@@ -188,7 +188,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, start_step=self.progress.step, total_steps=train.max_steps,
                                      tensorboard=logging.tensorboard, progress=logging.progress,
                                      enabled=self.launch.is_main, sink=sink, progress_seconds=train.time_budget_s,
-                                     seconds_done=self.stops.clock.train_seconds)
+                                     seconds_done=self.stops.clock.run_seconds)
         self.log.screen = self.metrics
 
     # ---- checkpoints ------------------------------------------------------------------------------------
@@ -462,14 +462,16 @@ class Trainer:
             step, end = self.progress.step, self.stops.end_step()
             if train.eval_every and (step % train.eval_every == 0 or step == end):
                 self.hooks("eval", step)
+                started = self.setup.timer()
                 row.update(self.evaluate())
+                self.stops.clock.eval_seconds = self.setup.timer() - started  # the end's, for a time budget
             if step % logging.log_every == 0 or "eval_loss" in row or step == end or stop:
                 row["optimizer_time"] = self.optimizer_timer.seconds()  # read when logged: the wait is its own
                 self.metrics.log(row)
                 if self.launch.is_main:
                     self.log(step_line(row, end, self.stops.eta_seconds(step)), show=not self.metrics.shows_bar)
             self.metrics.progress(step, {"loss": f"{row['loss']:.3f}", "tok/s": f"{row['tokens_per_s']:,.0f}"},
-                                  seconds=self.stops.clock.train_seconds)
+                                  seconds=self.stops.clock.run_seconds)
             measured = self.setup.forecast.observe(row) if self.setup.forecast is not None else None
             if measured:
                 self.log(measured)
