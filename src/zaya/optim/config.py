@@ -22,7 +22,9 @@ ADJUST_LR_FNS = ("original", "match_rms_adamw")  # Muon's update scaling (zaya.o
 class OptimConfig:
     """Hyperparameters of the Muon + AdamW optimizer; validated on construction."""
 
-    lr: float = 1e-3  # Muon's rate, and AdamW's unless adamw_lr is set
+    # Muon's rate, and AdamW's unless adamw_lr is set. 0.01 is the best measured at widths 192-256 (0.6 nats
+    # below 1e-3 in two minutes: docs/benchmarks.md#time-to-quality); wider models want less (zaya1-base: 0.002)
+    lr: float = 0.01
     weight_decay: float = 0.1  # decoupled; on the matrices (Muon's, the embedding, the convolutions)
     adamw_lr: float | None = None  # AdamW's rate; unset: lr
     # the vectors' rate (norms, biases, residual scales and biases, EDA gammas, temperatures) over AdamW's: at

@@ -78,7 +78,9 @@ class ScheduleConfig:
     kind: str = "wsd"  # "wsd", "cosine" or "constant"
     total_steps: int = 1000  # the steps the schedule spans; a run config's default: train.max_steps
     warmup_steps: int = 0  # steps of linear warmup
-    decay_fraction: float = 0.2  # wsd: the share of total_steps spent decaying
+    # wsd: the share of total_steps spent decaying; half by default: in runs of minutes to hours it ends lower
+    # than a fifth (docs/benchmarks.md#time-to-quality); a long run sets less (zaya1-base: 0.1)
+    decay_fraction: float = 0.5
     decay_shape: str = "1-sqrt"  # wsd: "linear", "cosine" or "1-sqrt"
     min_ratio: float = 0.0  # the final multiplier
 

@@ -20,8 +20,9 @@ class TrainSection:
     global_batch_size: int = 8  # sequences per optimizer step once any ramp is over
     # "bf16" (autocast, fp32 master weights), "fp32", or "auto": bf16 on accelerators and on CPUs whose bf16
     # matmuls are fast (measured at start), fp32 on the CPUs that emulate bf16 (~100x slower there), where
-    # Newton-Schulz then runs in fp32 too (optim.ns_dtype)
-    precision: str = "bf16"
+    # Newton-Schulz then runs in fp32 too (optim.ns_dtype). "auto" by default: a config written for a GPU
+    # trains at the speed of the machine it is tried on first
+    precision: str = "auto"
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     eval_every: int = 50  # steps between held-out evaluations; 0 disables
     eval_batches: int = 8  # global batches of held-out windows in each evaluation
@@ -39,9 +40,10 @@ class TrainSection:
     # a wall-clock limit on this process (a scheduler's, minus a margin): before it, the run writes a checkpoint
     # and exits with code 75 (EXIT_PREEMPTED) so that the resubmitted job resumes; 0: none
     max_time_s: float = 0.0
-    # train for this much time in all (summed over resumes) instead of to max_steps, which stays a cap: the
-    # wsd decay begins when the budget's last `schedule.decay_fraction` begins, spans the remaining time at
-    # the measured step rate, and the run ends with it; 0: none
+    # train for this much wall time in all (start-up, steps, evaluations and checkpoints, summed over resumes)
+    # instead of to max_steps, which stays a cap: the wsd decay begins when the budget's last
+    # `schedule.decay_fraction` begins, spans the remaining time at the measured pace, and the run ends with it;
+    # 0: none
     time_budget_s: float = 0.0
     # after SIGTERM or SIGUSR1 the run finishes its step, writes a checkpoint and exits 75; a process that has not
     # managed that after this long (blocked in I/O, in a collective) exits without one (128 + the signal); 0: wait
