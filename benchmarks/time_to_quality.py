@@ -233,8 +233,6 @@ def time_to_reach(points: list[tuple[float, float]], loss: float) -> float | Non
         if l1 < l0 and l1 <= loss <= l0:
             share = (l0 - loss) / (l0 - l1)
             return math.exp(math.log(t0) + share * (math.log(t1) - math.log(t0)))
-    if points and points[0][1] <= loss:
-        return points[0][0] if len(points) == 1 else None
     return None
 
 
@@ -264,18 +262,9 @@ def report(results: list[dict], budgets: list[float]) -> list[str]:
     if curves["zaya"] and curves["plain"]:
         lines.append("time to reach the other side's loss (interpolated in log time between budgets):")
         for budget in budgets:
-            if ("plain", budget) in table:
-                plain = table[("plain", budget)]
-                need = time_to_reach(curves["zaya"], plain["loss"])
-                lines.append(f"  plain at {plain['wall_s']:.0f} s reaches {plain['loss']:.3f}; zaya needs "
-                             + (f"{need:.0f} s: {plain['wall_s'] / need:.2f}x faster" if need else
-                                "a time outside its budgets"))
-            if ("zaya", budget) in table:
-                zaya = table[("zaya", budget)]
-                need = time_to_reach(curves["plain"], zaya["loss"])
-                lines.append(f"  zaya at {zaya['wall_s']:.0f} s reaches {zaya['loss']:.3f}; plain needs "
-                             + (f"{need:.0f} s: {need / zaya['wall_s']:.2f}x longer" if need else
-                                "a time outside its budgets"))
+            for side, other in (("plain", "zaya"), ("zaya", "plain")):
+                if (side, budget) in table:
+                    lines.append(_reach_line(side, table[(side, budget)], other, curves[other]))
         for budget in budgets:
             half, full = table.get(("zaya", budget / 2)), table.get(("plain", budget))
             if half and full:
@@ -292,6 +281,13 @@ def report(results: list[dict], budgets: list[float]) -> list[str]:
                 lines.append(f"where {side}'s {budget:.0f} s went: {parts}; {mean['steps']:.0f} steps, "
                              f"{mean['tokens'] / 1e3:.0f}k tokens")
     return lines
+
+
+def _reach_line(side: str, row: dict, other: str, curve: list[tuple[float, float]]) -> str:
+    """How long `other` (its points `curve`) needs to reach the loss `side` reached in `row`."""
+    need = time_to_reach(curve, row["loss"])
+    took = f"{need:.0f} s, {need / row['wall_s']:.2f}x the time" if need else "a time outside its budgets"
+    return f"  {side} at {row['wall_s']:.0f} s reaches {row['loss']:.3f}; {other} needs {took}"
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:
