@@ -240,6 +240,19 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     return rank_pool().run(fn, world_size, *args, timeout=timeout, env=env)
 
 
+def summed_over_ranks(loss, model) -> tuple[Any, dict[str, Any]]:
+    """After `loss.backward()` on every rank: the loss and each parameter's gradient summed over the ranks (the
+    parameters without a gradient left out), as one device's would be."""
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grads[name] = param.grad.clone()
+            dist.all_reduce(grads[name])
+    return total, grads
+
+
 def zaya_on_rank(rank: int, world_size: int, args: Sequence[str]) -> tuple[int, str, str]:
     """`zaya ARGS` as torchrun would run it on this rank (the pool has set its environment): (exit code, stdout,
     stderr). Use it with `run_distributed`: the `zaya` command's own code path on N ranks, without N fresh

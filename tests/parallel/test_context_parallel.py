@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zaya
-from ranks import run_distributed
+from ranks import run_distributed, summed_over_ranks
 from zaya.errors import ZayaError
 from zaya.model import segment_attention
 from zaya.model.attention import CompressedConvAttention
@@ -233,15 +233,9 @@ def _model_worker(rank: int, world: int, preset: str, dtype: str, sharding: str,
     model.zero_grad()
     hidden, loss = objective(True)
     loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    relative = {}
-    for name, param in model.named_parameters():
-        if param.grad is None:
-            continue
-        grad = param.grad.clone()
-        dist.all_reduce(grad)
-        relative[name] = ((grad - reference[name]).norm() / reference[name].norm().clamp_min(1e-30)).item()
+    total, summed = summed_over_ranks(loss, model)
+    relative = {name: ((grad - reference[name]).norm() / reference[name].norm().clamp_min(1e-30)).item()
+                for name, grad in summed.items()}
     gathered = _gather(hidden.detach(), cp.layout)
     dist.destroy_process_group()
     assert set(relative) == set(reference)

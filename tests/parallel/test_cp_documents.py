@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import zaya
 from modeling import perturb
-from ranks import run_distributed
+from ranks import run_distributed, summed_over_ranks
 from zaya.errors import ZayaError
 from zaya.model.documents import Documents, document_positions, packed_documents
 from zaya.model.masks import DocumentLayout, allowed, segment_work
@@ -208,14 +208,8 @@ def _model_worker(rank: int, world: int, dtype_name: str) -> dict:
         split = base.for_documents(documents, positions, chunks_per_rank=chunks)
         hidden, part = objective(split)
         part.backward()
-        total = part.detach().clone()
-        dist.all_reduce(total)
-        grads = {}
-        for name, param in model.named_parameters():
-            if param.grad is not None:
-                grad = param.grad.clone()
-                dist.all_reduce(grad)
-                grads[name] = (grad - reference[name]).abs().max().item()
+        total, summed = summed_over_ranks(part, model)
+        grads = {name: (grad - reference[name]).abs().max().item() for name, grad in summed.items()}
         outcome = {"objective": abs(total.item() - full.item()) / abs(full.item()), "grads": grads,
                    "missing": set(reference) - set(grads)}
         if exact:

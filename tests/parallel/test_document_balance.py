@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import zaya
 from modeling import perturb
-from ranks import run_distributed
+from ranks import run_distributed, summed_over_ranks
 from zaya.errors import ZayaError
 from zaya.model.documents import Documents, document_positions
 from zaya.model.masks import DocumentLayout, segment_work
@@ -203,13 +203,7 @@ def _balanced_worker(rank: int, world: int) -> dict:
                           documents=Documents(split.shard(positions), None)) * (local_targets.numel() / targets.numel())
         work = base.attention_work  # the forward's pairs, before the backward adds its own
         part.backward()
-        loss = part.detach().clone()
-        dist.all_reduce(loss)
-        grads = {}
-        for name, param in model.named_parameters():
-            if param.grad is not None:
-                grads[name] = param.grad.clone()
-                dist.all_reduce(grads[name])
+        loss, grads = summed_over_ranks(part, model)
         out[chunks] = {"loss": loss.item(), "grads": grads, "work": work, "chunks": split.layout.chunks(rank)}
     dist.destroy_process_group()
     return out
