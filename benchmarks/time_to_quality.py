@@ -171,8 +171,8 @@ def plain_worker(args: argparse.Namespace) -> None:
     config = load_config(args.config, _model_sets(args.set))
     seq_len = config.data.seq_len
     model = plain_model(args.config, args.set).train()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                                   lr=args.plain_lr, betas=(0.9, 0.95))
     train = open_dataset(args.data).split("train")
@@ -184,10 +184,7 @@ def plain_worker(args: argparse.Namespace) -> None:
     started = time.time()
     end = args.launched + args.budget - 1.0  # a second for the save and the exit
     step, step_s, optimizer_s = 0, 0.0, 0.0
-    while True:
-        now = time.time()
-        if now >= end:
-            break
+    while (now := time.time()) < end:
         progress = (now - started) / max(1e-9, end - started)
         lr = args.plain_lr * min((step + 1) / PLAIN_WARMUP, 1.0 - progress)
         for group in optimizer.param_groups:
