@@ -21,7 +21,7 @@ def empty_model(config: ZayaConfig, device: torch.device, dtype: torch.dtype) ->
         model = Zaya(config)
     model.to_empty(device=device)
     model.to(dtype)
-    model.rotary.set_base(config.rope_theta)  # a non-persistent buffer: recomputed, not loaded
+    model.restore_rope()  # non-persistent buffers: recomputed, not loaded
     return model
 
 

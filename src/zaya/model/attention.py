@@ -55,20 +55,66 @@ class SequenceShard(Protocol):
 class AttentionCache:
     """Decode state of one attention layer, so that each new token costs O(1) projection and conv work.
 
-    Holds the post-norm, post-RoPE keys and the values ([B, n_k, T, d], in a buffer that grows by doubling),
-    the last `conv_padding` pre-convolution packed vectors p (the convolutions' state) and the last
-    W_vdel x (the value-shift state).
+    Holds the post-norm, post-RoPE keys and the values [B, n_k, S, d], the last `conv_padding` pre-convolution
+    packed vectors p (the convolutions' state) and the last W_vdel x (the value-shift state). A full block's
+    keys grow by doubling (S >= every position seen); a sliding block's (`window` W) are a ring of W slots,
+    position p in slot p mod W, so its memory stays flat however long the sequence.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
+        self.window = window
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.length = 0
+        self.length = 0  # positions seen (the position of the next token)
         self.conv_state: torch.Tensor | None = None  # [B, P, C]
         self.value_state: torch.Tensor | None = None  # [B, 1, n_k * d / 2]
 
-    def append(self, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new keys/values and return views of everything cached so far."""
+    @property
+    def stored(self) -> int:
+        """Positions whose keys are held: all of them, or a sliding block's last W."""
+        return self.length if self.window is None else min(self.length, self.window)
+
+    def ordered(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The held keys and values [B, n_k, stored, d] in position order, and the position of the first."""
+        if self.keys is None:
+            raise ValueError("an empty decode cache has no keys")
+        n = self.stored
+        first = self.length - n
+        if self.window is None:
+            return self.keys[:, :, :n], self.values[:, :, :n], first
+        slots = torch.arange(first, self.length, device=self.keys.device) % self.window
+        return self.keys.index_select(2, slots), self.values.index_select(2, slots), first
+
+    def append(self, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Store the keys and values of T new tokens; return the keys and values to attend over (in position
+        order, the new ones last) and the position of the first of them. A full block returns views of every
+        key so far; a sliding block the keys it held before (at most W) and the new ones, which then replace
+        the oldest in the ring."""
+        if self.window is None:
+            return (*self._grow(k_BHTd, v_BHTd), 0)
+        B, H, T, d = k_BHTd.shape
+        if self.keys is None:
+            self.keys, self.values = k_BHTd.new_empty(B, H, self.window, d), v_BHTd.new_empty(B, H, self.window, d)
+        if T == 1 and self.length < self.window:  # filling the ring: its slots are in position order
+            slot = self.length
+            self.keys[:, :, slot:slot + 1], self.values[:, :, slot:slot + 1] = k_BHTd, v_BHTd
+            self.length += 1
+            return self.keys[:, :, :self.length], self.values[:, :, :self.length], 0
+        if T == 1:  # a full ring: every held key is within the window of the new token, in any order
+            slot = self.length % self.window
+            self.keys[:, :, slot:slot + 1], self.values[:, :, slot:slot + 1] = k_BHTd, v_BHTd
+            self.length += 1
+            return self.keys, self.values, -1
+        keys, values, first = self.ordered() if self.length else (k_BHTd[:, :, :0], v_BHTd[:, :, :0], 0)
+        keys, values = torch.cat([keys, k_BHTd], dim=2), torch.cat([values, v_BHTd], dim=2)
+        self.length += T
+        keep = min(self.length, self.window)
+        slots = torch.arange(self.length - keep, self.length, device=keys.device) % self.window
+        self.keys.index_copy_(2, slots, keys[:, :, -keep:])
+        self.values.index_copy_(2, slots, values[:, :, -keep:])
+        return keys, values, first
+
+    def _grow(self, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, H, T, d = k_BHTd.shape
         end = self.length + T
         if self.keys is None or end > self.keys.shape[2]:
@@ -86,10 +132,12 @@ class AttentionCache:
 
 
 class DecodeCache:
-    """The decode state of a whole model: one `AttentionCache` per block (MoE layers need none)."""
+    """The decode state of a whole model: one `AttentionCache` per block (MoE layers need none); `windows[i]`
+    is block i's sliding window (None: it attends to every position)."""
 
-    def __init__(self, num_layers: int):
-        self.layers = [AttentionCache() for _ in range(num_layers)]
+    def __init__(self, num_layers: int, windows: list[int | None] | None = None):
+        windows = windows if windows is not None else [None] * num_layers
+        self.layers = [AttentionCache(window) for window in windows]
 
     @property
     def length(self) -> int:
@@ -101,8 +149,9 @@ class CompressedConvAttention(nn.Module):
     """CCGQA: compressed q/k latents mixed by two causal convolutions, q-k mean sharing, value shift,
     L2 q/k norm with a per-KV-head key temperature, and partial RoPE."""
 
-    def __init__(self, config: ZayaConfig):
+    def __init__(self, config: ZayaConfig, window: int | None = None):
         super().__init__()
+        self.window = window  # a sliding block's W: query t sees keys t - W < s <= t; None: every s <= t
         self.num_q_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -280,49 +329,68 @@ class CompressedConvAttention(nn.Module):
         cache: AttentionCache | None = None,
         sequence: SequenceShard | None = None,
         documents: Documents | None = None,
+        band: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`rope` is (cos, sin, partner) from `RotaryEmbedding` for the positions of x's tokens. With a
         `sequence` shard, x is this device's part of a sequence; a `cache` then keeps this part's keys and
         values (a sharded prefill). `documents`: x holds packed documents (`zaya.model.documents.Documents`),
-        without a decode cache; with a shard, the shard's attention keeps them apart."""
+        without a decode cache; with a shard, the shard's attention keeps them apart. `band`: a sliding block's
+        plan for rows of x's length from their first position (`zaya.model.masks.window_segments`), made
+        outside a compiled graph; without it a sliding block over a longer sequence than its window forms an
+        explicit mask."""
         B, T, _ = x_BTD.shape
         if documents is not None and cache is not None:
             raise ValueError("packed documents are for training and evaluation: not with a decode cache")
-        if documents is not None and sequence is None and documents.segments is None:
-            raise ValueError("Documents.segments is None: packed documents on one device need their attention's "
-                             "segments (zaya.model.documents.packed_documents plans them)")
+        plan = None
+        if documents is not None and sequence is None:
+            plan = documents.segments if self.window is None else documents.sliding
+            if plan is None:
+                raise ValueError(f"Documents.{'segments' if self.window is None else 'sliding'} is None: packed "
+                                 "documents on one device need their attention's segments "
+                                 "(zaya.model.documents.packed_documents plans them)")
         conv_past, value_past = (cache.conv_state, cache.value_state) if cache is not None else (None, None)
         if sequence is not None:
             conv_past = value_past = None
         positions = None if documents is None else documents.positions
         q, k, v, conv_state, value_state = self.project(x_BTD, rope, conv_past, value_past, sequence=sequence,
                                                          documents=positions)
+        first_key = 0  # the position of k's first key (-1: a full ring of a sliding block, every key visible)
         past_len = 0
         if cache is not None:
             cache.conv_state, cache.value_state = conv_state.detach(), value_state.detach()
             past_len = cache.length
             if sequence is None:
-                k, v = cache.append(k, v)
+                k, v, first_key = cache.append(k, v)
             else:
                 cache.append(k, v)
         # 8. grouped-query causal attention (over the cache when decoding, over every shard's keys for a
-        # sharded sequence), then W_o
+        # sharded sequence; within the window in a sliding block), then W_o
         if sequence is not None:
-            out = sequence.attention(q, k, v)
+            out = sequence.attention(q, k, v) if self.window is None else sequence.attention(q, k, v, self.window)
         elif documents is not None:
             first = torch.arange(T, device=positions.device) - positions
-            out = packed_attention(q, k, v, documents.segments, first)
+            out = packed_attention(q, k, v, plan, first, self.window)
+        elif band is not None and past_len == 0:
+            first = torch.zeros(B, T, dtype=torch.long, device=q.device)
+            out = packed_attention(q, k, v, band, first, self.window)
         else:
-            out = _causal_attention(q, k, v, past_len)
+            out = _causal_attention(q, k, v, past_len, first_key, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int) -> torch.Tensor:
-    """Softmax attention of q [B, Hq, T, d] over k, v [B, Hk, past_len + T, d], causal in absolute positions."""
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int, first_key: int = 0,
+                      window: int | None = None) -> torch.Tensor:
+    """Softmax attention of q [B, Hq, T, d] (positions past_len ..) over k, v [B, Hk, S, d] (positions first_key
+    .. past_len + T - 1; -1: a sliding block's full ring, every key visible to its one query), causal in
+    absolute positions and within `window`."""
     T, S = q.shape[2], k.shape[2]
     if T == 1:  # a branch, not `is_causal=T > 1`: in a graph of varying length T is symbolic, which the kernel
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # does not take; the branch guards on it
-    if past_len == 0:
+    if past_len == 0 and (window is None or window >= T):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    allowed = torch.arange(S, device=q.device)[None, :] <= (past_len + torch.arange(T, device=q.device))[:, None]
+    t = past_len + torch.arange(T, device=q.device)[:, None]
+    s = first_key + torch.arange(S, device=q.device)[None, :]
+    allowed = s <= t
+    if window is not None:
+        allowed &= t - s < window
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)

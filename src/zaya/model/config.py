@@ -16,6 +16,9 @@ from zaya.ranges import Range
 from zaya.schema import shown
 
 SkipRoute = Literal["zero", "identity"]
+# The two block types of the ZAYA family's schema: CCA attending to every earlier position, and the same layer
+# attending to the last `sliding_window` positions only (transformers' `layer_types` entries).
+LAYER_TYPES = ("hybrid", "hybrid_sliding")
 
 
 # Upper bounds on the shape fields, checked before anything is counted or allocated: far above any model this
@@ -25,6 +28,7 @@ SIZE_LIMITS = {
     "vocab_size": 2**24, "hidden_size": 2**17, "num_hidden_layers": 2**12, "num_attention_heads": 2**12,
     "num_key_value_heads": 2**12, "head_dim": 2**12, "num_experts": 2**14, "moe_intermediate_size": 2**20,
     "router_hidden_size": 2**16, "cca_time0": 2**6, "cca_time1": 2**6, "max_position_embeddings": 2**26,
+    "sliding_window": 2**26,
 }
 # The ranges of the float fields: wide around every published value (ZAYA1: RoPE base 1e6 and 5e6, epsilon 1e-5,
 # init 0.02, key temperature 0 or 1), narrow enough that a value in the wrong unit or a typo (an init range of
@@ -33,6 +37,8 @@ SIZE_LIMITS = {
 FLOAT_RANGES = {
     "partial_rotary_factor": Range(0.0, 1.0, lo_open=True),
     "rope_theta": Range(1.0, 1e12),
+    "sliding_partial_rotary_factor": Range(0.0, 1.0, lo_open=True),
+    "sliding_rope_theta": Range(1.0, 1e12),
     "rms_norm_eps": Range(1e-12, 1.0),
     "initializer_range": Range(0.0, 1.0, lo_open=True),
     "temp_init": Range(-100.0, 100.0),
@@ -54,8 +60,15 @@ class ZayaConfig:
     router_hidden_size: int  # R, the width of the router's down-projection and MLP
     cca_time0: int = 2  # kernel of the depthwise convolution
     cca_time1: int = 2  # kernel of the per-head grouped convolution
-    partial_rotary_factor: float = 0.5  # share of head_dim that RoPE rotates
-    rope_theta: float = 10_000.0  # RoPE base
+    partial_rotary_factor: float = 0.5  # share of head_dim that RoPE rotates (in `hybrid` blocks)
+    rope_theta: float = 10_000.0  # RoPE base (of `hybrid` blocks; a context-extension phase raises it)
+    # Each block's type (LAYER_TYPES), one entry per block; None: every block `hybrid`. A `hybrid_sliding` block
+    # attends to the last `sliding_window` positions only (key s seen by query t iff t - W < s <= t) and rotates
+    # by its own RoPE parameters, transformers' defaults for the type.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None  # W, the positions a `hybrid_sliding` block sees (itself included)
+    sliding_partial_rotary_factor: float = 0.5  # share of head_dim that RoPE rotates in `hybrid_sliding` blocks
+    sliding_rope_theta: float = 10_000.0  # RoPE base of `hybrid_sliding` blocks
     max_position_embeddings: int = 4096  # the longest sequence the model is meant for (exported with it)
     rms_norm_eps: float = 1e-5  # epsilon of every RMSNorm
     initializer_range: float = 0.02  # standard deviation of the matrices' normal initialisation
@@ -101,6 +114,28 @@ class ZayaConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def sliding_rotary_dim(self) -> int:
+        return int(self.head_dim * self.sliding_partial_rotary_factor)
+
+    def layer_type(self, block: int) -> str:
+        """The type of block `block`: "hybrid" or "hybrid_sliding"."""
+        return "hybrid" if self.layer_types is None else self.layer_types[block]
+
+    def window(self, block: int) -> int | None:
+        """The positions block `block` attends to: `sliding_window` for a sliding block, None (all) otherwise."""
+        return self.sliding_window if self.layer_type(block) == "hybrid_sliding" else None
+
+    @property
+    def active_window(self) -> int | None:
+        """The window of the sliding blocks; None where no block slides (a `sliding_window` then goes unused)."""
+        return self.sliding_window if self.sliding_blocks else None
+
+    @property
+    def sliding_blocks(self) -> int:
+        """How many blocks attend through a sliding window."""
+        return 0 if self.layer_types is None else self.layer_types.count("hybrid_sliding")
+
+    @property
     def group_size(self) -> int:
         """Query heads per KV head."""
         return self.num_attention_heads // self.num_key_value_heads
@@ -139,11 +174,12 @@ class ZayaConfig:
                 raise ZayaError(f"{source}: field '{name}' must be a finite number, got {shown(value)}")
             if not bounds.holds(value):
                 raise ZayaError(f"{source}: field '{name}' must be in {bounds.text(integer=False)}, got {shown(value)}")
-        if self.head_dim * self.partial_rotary_factor != self.rotary_dim or self.rotary_dim % 2:
-            raise ZayaError(
-                f"{source}: head_dim * partial_rotary_factor must be an even integer, got "
-                f"{self.head_dim} * {self.partial_rotary_factor}"
-            )
+        for name in ("partial_rotary_factor", "sliding_partial_rotary_factor"):
+            factor = getattr(self, name)
+            rotary = int(self.head_dim * factor)
+            if self.head_dim * factor != rotary or rotary % 2:
+                raise ZayaError(f"{source}: head_dim * {name} must be an even integer, got {self.head_dim} * {factor}")
+        self._validate_layer_types(source)
         if not isinstance(self.fp32_logits, bool):
             raise ZayaError(f"{source}: field 'fp32_logits' must be true or false, got {shown(self.fp32_logits)}")
         if not isinstance(self.skip_route, str) or self.skip_route not in ("zero", "identity"):
@@ -152,6 +188,30 @@ class ZayaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not (0 <= value < self.vocab_size):
                 raise ZayaError(f"{source}: field '{name}' must be a token id below vocab_size, got {shown(value)}")
+
+    def _validate_layer_types(self, source: str) -> None:
+        types, window = self.layer_types, self.sliding_window
+        if types is not None:
+            if not isinstance(types, (list, tuple)):
+                raise ZayaError(f"{source}: field 'layer_types' must be a list of block types, got {shown(types)}")
+            if len(types) != self.num_hidden_layers:
+                raise ZayaError(f"{source}: field 'layer_types' has {len(types)} entries for num_hidden_layers = "
+                                f"{self.num_hidden_layers}: one per block")
+            for i, kind in enumerate(types):
+                if kind not in LAYER_TYPES:
+                    raise ZayaError(f"{source}: layer_types[{i}] is {shown(kind)}: a block is "
+                                    f"{' or '.join(repr(t) for t in LAYER_TYPES)}")
+            self.layer_types = list(types)
+        if window is not None:
+            if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+                raise ZayaError(f"{source}: field 'sliding_window' must be a positive integer (the positions a "
+                                f"sliding block sees), got {shown(window)}")
+            if window > SIZE_LIMITS["sliding_window"]:
+                raise ZayaError(f"{source}: field 'sliding_window' = {window:,} is above the bound "
+                                f"{SIZE_LIMITS['sliding_window']:,}")
+        if self.sliding_blocks and window is None:
+            raise ZayaError(f"{source}: field 'sliding_window' must be set when layer_types has 'hybrid_sliding' "
+                            "blocks")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -29,23 +29,29 @@ class Documents(NamedTuple):
     """Packed documents as the model's layers take them: `positions` [B, T], each token's position in its
     document, on the model's device (RoPE, the convolutions' reach, the value shift); and `segments` [n, 6], the
     attention's plan (`DocumentLayout.segments`), on the host; None where a context-parallel sequence shard
-    plans its attention itself."""
+    plans its attention itself. `sliding`: the plan of the sliding-window blocks (the same documents under the
+    window), where the model has any."""
 
     positions: torch.Tensor
     segments: torch.Tensor | None
+    sliding: torch.Tensor | None = None
 
 
 def packed_documents(input_ids: torch.Tensor, separator: int, host_ids: torch.Tensor | None = None,
                      window: int | None = None) -> Documents:
     """`Documents` of token ids [B, T] whose documents each end with `separator`. The plan is made from
     `host_ids`, the same ids on the host (a trainer has them there before the copy to the device); without them
-    it reads `input_ids` back from the device."""
+    it reads `input_ids` back from the device. `window`: the model's sliding window (`ZayaConfig.sliding_window`
+    of a model with sliding blocks), planned for those blocks too."""
     if host_ids is not None and host_ids.shape != input_ids.shape:
         raise ValueError(f"host_ids of shape {tuple(host_ids.shape)} for input_ids of shape {tuple(input_ids.shape)}: "
                          "they must be the same ids")
     host = input_ids.cpu() if host_ids is None else host_ids
-    segments = DocumentLayout.from_tokens(host, separator, window).segments()
-    return Documents(document_positions(input_ids, separator), torch.from_numpy(segments))
+    layout = DocumentLayout.from_tokens(host, separator)
+    sliding = None
+    if window is not None:
+        sliding = torch.from_numpy(DocumentLayout(layout.starts, layout.length, window).segments())
+    return Documents(document_positions(input_ids, separator), torch.from_numpy(layout.segments()), sliding)
 
 
 def document_positions(input_ids: torch.Tensor, separator: int) -> torch.Tensor:

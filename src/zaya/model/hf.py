@@ -189,10 +189,10 @@ def _get_bool(data: dict, key: str, source: Path, default: bool) -> bool:
     return value
 
 
-def _get_float(data: dict, key: str, source: Path, default: float) -> float:
+def _get_float(data: dict, key: str, source: Path, default: float | None, prefix: str = "") -> float:
     value = data.get(key, default)
     if not is_a(value, (int, float)):
-        raise ZayaError(f"{source}: field '{key}' must be a finite number, got {shown(value)}")
+        raise ZayaError(f"{source}: field '{prefix}{key}' must be a finite number, got {shown(value)}")
     return float(value)
 
 
@@ -217,15 +217,8 @@ def config_from_native(data: dict, source: Path) -> ZayaConfig:
         raise ZayaError(f"{source}: num_experts_per_tok must be 1 (ZAYA routes each token to one expert)")
     layer_types = data.get("layer_types")
     if layer_types is not None and not isinstance(layer_types, list):
-        raise ZayaError(f"{source}: field 'layer_types' must be a list")
-    if layer_types is not None and any(t != "hybrid" for t in layer_types):
-        raise ZayaError(f"{source}: layer_types other than 'hybrid' (sliding-window layers) are not supported")
-    rope = data.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        raise ZayaError(f"{source}: field 'rope_parameters' must be an object")
-    rope = rope.get("hybrid", rope)
-    if not isinstance(rope, dict):
-        raise ZayaError(f"{source}: field 'rope_parameters.hybrid' must be an object")
+        raise ZayaError(f"{source}: field 'layer_types' must be a list of block types, got {shown(layer_types)}")
+    rope = _rope_parameters(data, source, set(layer_types or ["hybrid"]))
     extra = data.get("zaya_stack", {})
     if not isinstance(extra, dict):
         raise ZayaError(f"{source}: field 'zaya_stack' must be an object")
@@ -236,8 +229,12 @@ def config_from_native(data: dict, source: Path) -> ZayaConfig:
         fields,
         rms_norm_eps=_get_float(data, "rms_norm_eps", source, _NATIVE_DEFAULTS["rms_norm_eps"]),
         initializer_range=_get_float(data, "initializer_range", source, _NATIVE_DEFAULTS["initializer_range"]),
-        rope_theta=_get_float(rope, "rope_theta", source, data.get("rope_theta", 5_000_000.0)),
-        partial_rotary_factor=_get_float(rope, "partial_rotary_factor", source, data.get("partial_rotary_factor", 0.5)),
+        rope_theta=rope["hybrid"][0],
+        partial_rotary_factor=rope["hybrid"][1],
+        layer_types=layer_types,
+        sliding_window=data.get("sliding_window"),
+        sliding_rope_theta=rope["hybrid_sliding"][0],
+        sliding_partial_rotary_factor=rope["hybrid_sliding"][1],
         pad_token_id=_token_id(data, "pad_token_id", source, 0),
         bos_token_id=_token_id(data, "bos_token_id", source, 2),
         eos_token_id=_token_id(data, "eos_token_id", source, 106),
@@ -249,6 +246,55 @@ def config_from_native(data: dict, source: Path) -> ZayaConfig:
         return ZayaConfig.from_dict(config, source=str(source))
     except TypeError as exc:
         raise ZayaError(f"{source}: {exc}") from None
+
+
+# transformers' RoPE parameters of a ZAYA config without `rope_parameters`: (rope_theta, partial_rotary_factor)
+_DEFAULT_ROPE = {"hybrid": (5_000_000.0, 0.5), "hybrid_sliding": (10_000.0, 0.5)}
+
+
+def _rope_parameters(data: dict, source: Path, used: set[str]) -> dict[str, tuple[float, float]]:
+    """(rope_theta, partial_rotary_factor) per block type from `rope_parameters`, as transformers reads them:
+    nested per type (a stray top-level `rope_type` beside the types, as hub configs carry, is ignored), an entry
+    for each type the blocks use, `partial_rotary_factor` 1.0 where an entry leaves it out, and only the
+    'default' RoPE. The flat form (one set, no types) is read for models whose blocks are all `hybrid`."""
+    rope = data.get("rope_parameters")
+    if rope is None:
+        return dict(_DEFAULT_ROPE)
+    if not isinstance(rope, dict):
+        raise ZayaError(f"{source}: field 'rope_parameters' must be an object, got {shown(rope)}")
+    if not any(kind in rope for kind in _DEFAULT_ROPE):  # flat: the `hybrid` blocks'
+        if "hybrid_sliding" in used:
+            raise ZayaError(f"{source}: rope_parameters has no 'hybrid_sliding' entry, and layer_types has "
+                            "'hybrid_sliding' blocks")
+        _rope_type(rope, source, "rope_parameters")
+        theta = _get_float(rope, "rope_theta", source, data.get("rope_theta", 5_000_000.0))
+        factor = _get_float(rope, "partial_rotary_factor", source, data.get("partial_rotary_factor", 0.5))
+        return {"hybrid": (theta, factor), "hybrid_sliding": _DEFAULT_ROPE["hybrid_sliding"]}
+    out = {}
+    for kind, default in _DEFAULT_ROPE.items():
+        entry = rope.get(kind)
+        if entry is None:
+            if kind in used:
+                raise ZayaError(f"{source}: rope_parameters has no '{kind}' entry, and layer_types has '{kind}' "
+                                "blocks")
+            out[kind] = default
+            continue
+        where = f"rope_parameters.{kind}"
+        if not isinstance(entry, dict):
+            raise ZayaError(f"{source}: field '{where}' must be an object, got {shown(entry)}")
+        _rope_type(entry, source, where)
+        if "rope_theta" not in entry:
+            raise ZayaError(f"{source}: missing field '{where}.rope_theta'")
+        out[kind] = (_get_float(entry, "rope_theta", source, None, where + "."),
+                     _get_float(entry, "partial_rotary_factor", source, 1.0, where + "."))
+    return out
+
+
+def _rope_type(entry: dict, source: Path, where: str) -> None:
+    kind = entry.get("rope_type", "default")
+    if kind != "default":
+        raise ZayaError(f"{source}: {where}.rope_type {shown(kind)} is not supported: zaya applies the 'default' "
+                        "RoPE only")
 
 
 def _first_nonzero(data: dict, key: str, source: Path) -> int | None:
@@ -341,7 +387,8 @@ def native_config_json(config: ZayaConfig, dtype: torch.dtype) -> dict:
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "num_hidden_layers": config.num_hidden_layers,
-        "layer_types": ["hybrid"] * config.num_hidden_layers,
+        "layer_types": list(config.layer_types or ["hybrid"] * config.num_hidden_layers),
+        "sliding_window": config.sliding_window,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
@@ -362,7 +409,12 @@ def native_config_json(config: ZayaConfig, dtype: torch.dtype) -> dict:
                 "rope_type": "default",
                 "rope_theta": config.rope_theta,
                 "partial_rotary_factor": config.partial_rotary_factor,
-            }
+            },
+            "hybrid_sliding": {
+                "rope_type": "default",
+                "rope_theta": config.sliding_rope_theta,
+                "partial_rotary_factor": config.sliding_partial_rotary_factor,
+            },
         },
         "tie_word_embeddings": True,
         "pad_token_id": config.pad_token_id,

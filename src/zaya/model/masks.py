@@ -25,6 +25,7 @@ stands for every row, where all rows have the same documents (one each, without 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -179,6 +180,14 @@ class DocumentLayout:
             out.append((b, q0, end, ks, k1, FULL))
         elif q0 - (k1 - 1) < W:  # some pairs within it: the queries that reach the keys at all
             out.append((b, q0, min(end, k1 - 1 + W), max(ks, q0 - W + 1), k1, MASKED))
+
+
+@functools.lru_cache(maxsize=32)
+def window_segments(length: int, window: int) -> torch.Tensor:
+    """The segments of rows of `length` tokens, one document each, under a sliding `window` (row -1: every row):
+    the plan of a sliding block without packed documents, made once per shape (a host tensor; read, never
+    written)."""
+    return torch.from_numpy(DocumentLayout(((0,),), length, window).segments())
 
 
 def _band_pairs(n: int, window: int | None) -> int:

@@ -1,7 +1,8 @@
 """The ZAYA1 decoder in its native form (spec section 3.1): 40 blocks of CCGQA attention + MoE.
 
     h_0     = (e + b_in) * s_in                                           (fp32 from here on)
-    a_l     = CCA_l(RMSNorm(h_l))
+    a_l     = CCA_l(RMSNorm(h_l))                                         (a `hybrid_sliding` block: within its
+                                                                           window, with its own RoPE)
     u_l     = (a_l + b^A_o) * s^A_o + (h_l + b^A_h) * s^A_h               (residual scaling)
     m_l, r_l = MoE_l(RMSNorm(u_l), r_{l-1})                               (r: router state, EDA)
     h_{l+1} = (m_l + b^M_o) * s^M_o + (u_l + b^M_h) * s^M_h
@@ -23,6 +24,7 @@ from zaya.model.documents import Documents
 from zaya.model.groups import ParameterGroup, parameter_groups
 from zaya.model.layers import EmbeddingScaling, ResidualScaling, RMSNorm, RotaryEmbedding
 from zaya.model.loss import linear_cross_entropy
+from zaya.model.masks import window_segments
 from zaya.model.moe import Experts, ZayaMoE, expert_counts
 from zaya.model.router import Routing, ZayaRouter, initial_balancing_biases
 
@@ -64,8 +66,10 @@ class ZayaBlock(nn.Module):
     def __init__(self, config: ZayaConfig, index: int):
         super().__init__()
         self.index = index
+        self.layer_type = config.layer_type(index)
+        self.window = config.window(index)
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = CompressedConvAttention(config)
+        self.attn = CompressedConvAttention(config, self.window)
         self.attn_residual = ResidualScaling(config.hidden_size)
         self.moe_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.moe = ZayaMoE(config, use_eda=index > 0)
@@ -81,10 +85,12 @@ class ZayaBlock(nn.Module):
         *,
         measure: bool = False,
         documents: Documents | None = None,
+        band: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The new stream, the router state, and with `measure` the routing's statistics (`RouterStats.measure`).
-        `documents`: h holds packed documents (`zaya.model.documents.Documents`)."""
-        a = self.attn(self.attn_norm(h), rope, cache, sequence, documents)
+        `documents`: h holds packed documents (`zaya.model.documents.Documents`); `band`: a sliding block's plan
+        (`CompressedConvAttention.forward`)."""
+        a = self.attn(self.attn_norm(h), rope, cache, sequence, documents, band)
         h, routing = self._after_attention(a, h, router_state)
         return h, routing.state, RouterStats.measure(routing) if measure else None
 
@@ -125,6 +131,9 @@ class Zaya(nn.Module):
                                       _weight=torch.empty(config.vocab_size, config.hidden_size))
             self.embed_scaling = EmbeddingScaling(config.hidden_size)
             self.rotary = RotaryEmbedding(config.head_dim, config.rotary_dim, config.rope_theta)
+            # the sliding blocks' own RoPE (transformers: `rope_parameters["hybrid_sliding"]`), where there are any
+            self.sliding_rotary = None if not config.sliding_blocks else RotaryEmbedding(
+                config.head_dim, config.sliding_rotary_dim, config.sliding_rope_theta)
             self.blocks = nn.ModuleList(ZayaBlock(config, i) for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.to_empty(device=device)
@@ -179,11 +188,26 @@ class Zaya(nn.Module):
         return parameter_groups(self, ZayaBlock)
 
     def new_cache(self) -> DecodeCache:
-        """An empty decode cache for `forward(..., cache=...)`."""
-        return DecodeCache(len(self.blocks))
+        """An empty decode cache for `forward(..., cache=...)`: a ring of W positions for each sliding block."""
+        return DecodeCache(len(self.blocks), [block.window for block in self.blocks])
+
+    def rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """RoPE's (cos, sin, partner) at `positions` for each block type the model has, by type."""
+        tables = {"hybrid": (*self.rotary(positions), self.rotary.partner)}
+        if self.sliding_rotary is not None:
+            tables["hybrid_sliding"] = (*self.sliding_rotary(positions), self.sliding_rotary.partner)
+        return tables
+
+    def restore_rope(self) -> None:
+        """Recompute RoPE's tables from the config (they are non-persistent buffers: a model materialised from
+        meta, or loaded, needs them)."""
+        self.rotary.set_base(self.config.rope_theta)
+        if self.sliding_rotary is not None:
+            self.sliding_rotary.set_base(self.config.sliding_rope_theta)
 
     def set_rope_theta(self, base: float) -> None:
-        """Change the RoPE base (a context-extension phase raises it)."""
+        """Change the RoPE base of the `hybrid` blocks (a context-extension phase raises it; sliding blocks,
+        which see no further than their window, keep theirs)."""
         self.config.rope_theta = float(base)
         self.rotary.set_base(float(base))
 
@@ -206,13 +230,19 @@ class Zaya(nn.Module):
         elif positions is None:
             past = cache.length if cache is not None else 0
             positions = torch.arange(past, past + T, device=input_ids.device)
-        rope = (*self.rotary(positions), self.rotary.partner)
+        ropes = self.rope(positions)
+        band = None
+        W = self.config.sliding_window
+        if self.sliding_rotary is not None and documents is None and sequence is None and T > W and (
+                cache is None or cache.length == 0):
+            band = window_segments(T, W)
         h = self.embed_scaling(self.embed(input_ids))
         router_state = None
         for i, block in enumerate(self.blocks):
             layer_cache = cache.layers[i] if cache is not None else None
-            h, router_state, measured = block(h, router_state, rope, layer_cache, sequence,
-                                              measure=router_stats is not None, documents=documents)
+            h, router_state, measured = block(h, router_state, ropes[block.layer_type], layer_cache, sequence,
+                                              measure=router_stats is not None, documents=documents,
+                                              band=band if block.window is not None else None)
             if measured is not None:
                 router_stats.record(i, measured, input_ids.numel())
         return self.norm(h)
