@@ -47,8 +47,9 @@ class SequenceShard(Protocol):
         sequence just before each segment ends with (zeros before the first token)."""
         ...
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of the local queries over the whole sequence's keys and values."""
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        """Causal attention of the local queries over the whole sequence's keys and values; within a sliding
+        `window` where one is given (a `hybrid_sliding` block)."""
         ...
 
 

@@ -21,6 +21,11 @@ documents. Its attention runs, for every pair of chunks, the segments of the doc
 pair of chunks that shares no document costs nothing. With more than two chunks per rank the chunks are dealt
 out by that work (`SequenceLayout.balanced`), since head-tail's pairs balance the causal mask, not documents.
 The attention kernels are in `zaya.parallel.cp_attention`.
+
+Sliding-window blocks (`attention(q, k, v, window)`) reach back W - 1 keys from each query: where that fits in
+the chunk before, the keys and values cross a chunk's start as the convolutions' halo does (`pass_tails`, the
+halo kernel of `zaya.parallel.cp_window`); a longer window runs the kernels above with the window in their plan.
+A split keeps one plan per (rows, device, window).
 """
 
 from __future__ import annotations
@@ -157,19 +162,23 @@ class ContextParallel:
         self.attention_work = 0
         self.documents: DocumentLayout | None = None  # packed documents (`for_documents`); None: one per row
         self._base: ContextParallel | None = None  # whose `attention_work` this one's adds to
-        self._plans: dict = {}  # (batch, device) -> the attention's `cp_attention.PairPlan`
+        self._plans: dict = {}  # (batch, device, window) -> the attention's `PairPlan` or `WindowPlan`
+        self._first: Tensor | None = None  # with packed documents: where each local token's document starts
         self._halo_plan = _halo_plan(layout, self.rank)
         # collectives inside: a compiled block calls it eagerly. Wrapped here rather than decorated, since
         # `torch.compiler.disable` imports the compiler (most of a second) and a run without cp needs none.
         self.exchange_halo = torch.compiler.disable(self._exchange_halo)
 
-    def for_documents(self, documents: DocumentLayout, positions: Tensor, chunks_per_rank: int = 2) -> ContextParallel:
+    def for_documents(self, documents: DocumentLayout, positions: Tensor, chunks_per_rank: int = 2,
+                      window: int | None = None) -> ContextParallel:
         """The split of one micro-batch of packed documents over the same group, kernel and counter, whose
         attention keeps the documents apart: a query sees the keys of its own document only, and a pair of
         chunks that shares no document is not computed.
 
         `documents`: where each row's documents start (host-side, `DocumentLayout.from_tokens` of the
-        micro-batch's input ids; its sliding window, if any, is the attention's). `positions` [B, T]: each
+        micro-batch's input ids; its sliding window, if any, is that of `attention` called without one).
+        `window`: the model's sliding window (`ZayaConfig.active_window`), whose plan is made here too, so that
+        the sliding blocks see the same documents within it. `positions` [B, T]: each
         token's position in its document, on the device (`zaya.model.documents.document_positions`); the
         model takes this shard's part of them (`shard(positions)`) as its `Documents.positions`.
         `chunks_per_rank`: 2 keeps this layout (head-tail's pairs of chunks, or contiguous's one chunk); more
@@ -190,11 +199,10 @@ class ContextParallel:
         part = ContextParallel(layout, self.group, self.kernel, self.counter)
         part.documents, part._base = documents, self
         # where each local query's document starts, in global indices: what a MASKED segment's mask reads
-        first = torch.arange(length, device=positions.device) - positions
-        from zaya.parallel.cp_attention import PairPlan
-
-        plan = PairPlan(layout, part.rank, documents, part.shard(first), documents.batch)
-        part._plans[(documents.batch, positions.device)] = plan
+        part._first = part.shard(torch.arange(length, device=positions.device) - positions)
+        # the full blocks' plan and, where the model has any, the sliding blocks': made here, not in the forward
+        for planned in dict.fromkeys((None, window)):
+            part.attention_plan(documents.batch, positions.device, planned)
         return part
 
     @property
@@ -209,18 +217,35 @@ class ContextParallel:
         """This rank's part of a whole-sequence tensor (token ids, targets, positions in documents)."""
         return self.layout.shard(tensor, self.rank, dim)
 
-    def attention_plan(self, batch: int, device: torch.device):
-        """The segments the attention runs for a batch of `batch` rows on `device` (`cp_attention.PairPlan`):
-        the causal mask's, planned on first use, or those of this micro-batch's documents."""
-        plan = self._plans.get((batch, torch.device(device)))
+    def attention_plan(self, batch: int, device: torch.device | str, window: int | None = None):
+        """The segments the attention runs for a batch of `batch` rows on `device` under a sliding `window`
+        (None: the documents' own, if any): the halo kernel's `cp_window.WindowPlan` where the window's reach
+        fits in the chunk before, else the all-gather and ring kernels' `cp_attention.PairPlan`; of the causal
+        mask, or of this micro-batch's documents. Planned on first use, once per (batch, device, window)."""
+        device = torch.device(device)
+        if window is None and self.documents is not None:
+            window = self.documents.window
+        plan = self._plans.get((batch, device, window))
         if plan is None:
-            if self.documents is not None:
+            if self.documents is not None and (batch, device) != (self.documents.batch, self._first.device):
                 raise ZayaError(f"attention over {batch} rows on {device} with packed documents planned for "
-                                f"{self.documents.batch} rows on {next(iter(self._plans))[1]}")
-            from zaya.parallel.cp_attention import causal_plan
-
-            plan = self._plans[(batch, torch.device(device))] = causal_plan(self.layout, self.rank, batch, device)
+                                f"{self.documents.batch} rows on {self._first.device}")
+            plan = self._plans[(batch, device, window)] = self._plan(batch, device, window)
         return plan
+
+    def _plan(self, batch: int, device: torch.device, window: int | None):
+        from zaya.parallel.cp_attention import PairPlan
+        from zaya.parallel.cp_window import WindowPlan, halo_fits
+
+        if self.documents is None:  # one document per row: the same segments for every row (row -1), whose
+            starts = ((0,),) * batch  # documents all start at 0
+            first = torch.zeros(1, self.layout.length // self.size, dtype=torch.long, device=device)
+        else:
+            starts, first = self.documents.starts, self._first
+        documents = DocumentLayout(starts, self.layout.length, window)
+        if window is not None and halo_fits(window, self.layout.chunk_len):
+            return WindowPlan(self.layout, self.rank, documents, first, batch)
+        return PairPlan(self.layout, self.rank, documents, first, batch)
 
     def count_work(self, pairs: int) -> None:
         """Add query-key pairs computed to `attention_work`, here and in the object this one was split from."""
@@ -234,12 +259,25 @@ class ContextParallel:
         what the segment logically preceding each of them ends with (zeros before the first chunk)."""
         return _HaloExchange.apply(tails, self)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def pass_tails(self, tails: Tensor, kind: str, reverse: bool = False) -> Tensor:
+        """`tails` [B, segments, n]: what each of this rank's segments ends with, to the rank holding the chunk
+        after it; returns [B, segments, n], what the chunk before each segment ends with (zeros before the
+        first). `reverse`: the way back, each segment's row to the chunk before it (zeros from the last).
+        One `all_to_all_single`, counted under `kind`; not differentiable (the kernels call it both ways)."""
+        plan = self._halo_plan
+        if reverse:
+            return _route(tails, self, plan.recv_slots, plan.recv_splits, plan.send_slots, plan.send_splits, kind)
+        return _route(tails, self, plan.send_slots, plan.send_splits, plan.recv_slots, plan.recv_splits, kind)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
         """Causal attention of this rank's queries [B, Hq, T, d] over the whole sequence's keys and values,
-        of which this rank holds k, v [B, Hk, T, d]; with packed documents, within each query's document."""
+        of which this rank holds k, v [B, Hk, T, d]; with packed documents, within each query's document;
+        with a sliding `window` W (None: the documents' own, if any), over the last W positions only. A window
+        whose W - 1 keys before a chunk lie in the chunk before it runs the halo kernel
+        (`zaya.parallel.cp_window`); a longer one the all-gather or ring kernel with the window in its plan."""
         from zaya.parallel.cp_attention import context_attention
 
-        return context_attention(*in_autocast_dtype(q, k, v), self)
+        return context_attention(*in_autocast_dtype(q, k, v), self, window)
 
 
 @dataclass(frozen=True)
@@ -274,25 +312,22 @@ class _HaloExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tails: Tensor, cp: ContextParallel) -> Tensor:
         ctx.cp = cp
-        plan = cp._halo_plan
-        return _route(tails, cp, plan.send_slots, plan.send_splits, plan.recv_slots, plan.recv_splits)
+        return cp.pass_tails(tails, "cp_halo")
 
     @staticmethod
     def backward(ctx, grad_pasts: Tensor):
-        cp = ctx.cp
-        plan = cp._halo_plan
-        return _route(grad_pasts, cp, plan.recv_slots, plan.recv_splits, plan.send_slots, plan.send_splits), None
+        return ctx.cp.pass_tails(grad_pasts, "cp_halo", reverse=True), None
 
 
 def _route(values: Tensor, cp: ContextParallel, from_slots: list[int], from_splits: list[int], to_slots: list[int],
-           to_splits: list[int]) -> Tensor:
+           to_splits: list[int], kind: str) -> Tensor:
     """values [B, S, n]: the rows of `from_slots` (grouped by destination rank, `from_splits` per rank) land in
     the rows `to_slots` of the result (grouped by source rank, `to_splits` per rank); the other rows are 0."""
     B, S, n = values.shape
     send = values[:, from_slots].transpose(0, 1).reshape(-1)
     recv = values.new_empty(len(to_slots) * B * n)
     all_to_all_single(recv, send, [k * B * n for k in to_splits], [k * B * n for k in from_splits], cp.group,
-                      cp.counter, "cp_halo")
+                      cp.counter, kind)
     out = values.new_zeros(B, S, n)
     if to_slots:
         out[:, to_slots] = recv.view(-1, B, n).transpose(0, 1)

@@ -7,7 +7,9 @@ and, for each pair (query chunk cq, key chunk ck <= cq), run the segments of the
 `zaya.model.segment_attention`. Without packed documents every row is one document, and the segments are the
 causal mask's blocks: a causal square when ck = cq, a full rectangle when ck < cq. With packed documents only
 the documents a pair shares are computed: a key chunk that holds nothing of the documents of a query chunk
-costs nothing, and neither does one beyond the sliding window. Every segment gives a partial (output,
+costs nothing, and neither does one beyond the sliding window. (A window that reaches no further than the chunk
+before runs the halo kernel of `zaya.parallel.cp_window` instead, which moves W - 1 keys a chunk, not every
+block; these kernels are its fallback for longer windows.) Every segment gives a partial (output,
 log-sum-exp), merged in fp32 (fp64 for fp64 inputs) in the stable form
 
     lse = logaddexp(lse_a, lse_b),   o = o_a exp(lse_a - lse) + o_b exp(lse_b - lse).
@@ -43,6 +45,7 @@ from zaya.model.segment_attention import (
     segments_forward,
 )
 from zaya.parallel.comm import all_to_all_single, ring_shift
+from zaya.parallel.cp_window import WindowPlan, window_attention
 
 KERNELS = ("allgather", "ring")
 
@@ -77,13 +80,6 @@ class PairPlan:
         return sum(w for pairs in self.sources for _, w in pairs)
 
 
-def causal_plan(layout, rank: int, batch: int, device: torch.device) -> PairPlan:
-    """The plan of plain causal attention: one document per row (its segments are shared by all rows, so the
-    start of each query's document is one row of zeros)."""
-    first = torch.zeros(1, layout.length // layout.ranks, dtype=torch.long, device=device)
-    return PairPlan(layout, rank, DocumentLayout(((0,),) * batch, layout.length), first, batch)
-
-
 # ---- communication --------------------------------------------------------------------------------------
 
 def _all_gather(tensor: Tensor, cp) -> list[Tensor]:
@@ -110,11 +106,10 @@ def _wait(requests: list) -> None:
 
 # ---- the kernels ----------------------------------------------------------------------------------------
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, cp) -> tuple[Tensor, Tensor]:
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, cp, plan: PairPlan) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, T, d] in q's dtype, lse [B, Hk, g, T] in the accumulation dtype)."""
     B, Hq, T, d = q.shape
     scale = 1.0 / math.sqrt(d)
-    plan = cp.attention_plan(B, q.device)
     q5 = query_groups(q, k.shape[1])
     acc = acc_dtype(q.dtype)
     out = torch.zeros(q5.shape, dtype=acc, device=q.device)
@@ -141,12 +136,12 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cp) -> tuple[Tensor, Tens
     return out.view(B, Hq, T, d).to(q.dtype), lse
 
 
-def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cp):
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cp,
+                       plan: PairPlan):
     """dq, dk, dv (in the inputs' dtypes) from the saved output and global log-sum-exp."""
     B, Hq, T, d = q.shape
     Hk = k.shape[1]
     scale = 1.0 / math.sqrt(d)
-    plan = cp.attention_plan(B, q.device)
     acc = lse.dtype
     q5, do5, out5 = query_groups(q, Hk), query_groups(dout, Hk), query_groups(out, Hk)
     delta = (do5.to(acc) * out5.to(acc)).sum(-1)
@@ -198,20 +193,26 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 
 class _ContextAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cp) -> Tensor:
-        out, lse = attention_forward(q, k, v, cp)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cp, plan: PairPlan) -> Tensor:
+        out, lse = attention_forward(q, k, v, cp, plan)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp = cp
+        ctx.cp, ctx.plan = cp, plan
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*attention_backward(dout, q, k, v, out, lse, ctx.cp), None)
+        return (*attention_backward(dout, q, k, v, out, lse, ctx.cp, ctx.plan), None, None)
 
 
 @torch.compiler.disable
-def context_attention(q: Tensor, k: Tensor, v: Tensor, cp) -> Tensor:
-    """Attention of this rank's q [B, Hq, T, d] over the whole sequence (k, v [B, Hk, T, d] here), causal and
-    within each packed document, differentiable; `cp` is the `ContextParallel` of the sequence."""
-    return _ContextAttention.apply(q, k, v, cp)
+def context_attention(q: Tensor, k: Tensor, v: Tensor, cp, window: int | None = None) -> Tensor:
+    """Attention of this rank's q [B, Hq, T, d] over the whole sequence (k, v [B, Hk, T, d] here), causal,
+    within each packed document and within a sliding `window`, differentiable; `cp` is the `ContextParallel`
+    of the sequence. Its plan for these rows (`ContextParallel.attention_plan`) picks the kernel: the halo
+    kernel (`zaya.parallel.cp_window`) for a window that reaches no further than the chunk before, else the
+    all-gather or ring kernel. Eager, plan and all: a compiled block calls it as it is."""
+    plan = cp.attention_plan(q.shape[0], q.device, window)
+    if isinstance(plan, WindowPlan):
+        return window_attention(q, k, v, cp, plan)
+    return _ContextAttention.apply(q, k, v, cp, plan)

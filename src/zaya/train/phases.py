@@ -13,7 +13,8 @@ that keeps documents apart (`isolate_documents`) gives the model each token's po
 dataset's eos that ends every document (`zaya.model.documents`), and plans its attention from the micro-batch's
 copy on the host, which the trainer keeps, so that nothing is read back from the device. Split over a cp group,
 each micro-batch gets a split of its own (`ContextParallel.for_documents`): its chunks (cp x
-`parallel.cp_document_chunks`) dealt out to the ranks by their attention work, and attention within documents.
+`parallel.cp_document_chunks`) dealt out to the ranks by their attention work, and attention within documents
+(and, in sliding-window blocks, within the window as well: the split plans both).
 """
 
 from __future__ import annotations
@@ -141,14 +142,16 @@ class Curriculum:
         cp, separator = self.sequence, self.separator
         host_ids = None if separator is None else token_ids((micro if host is None else host)[:, :-1].cpu())
         if cp is None:
-            documents = None if separator is None else packed_documents(inputs, separator, host_ids=host_ids)
+            documents = None if separator is None else packed_documents(inputs, separator, host_ids=host_ids,
+                                                                        window=model.config.active_window)
             return model.loss(inputs, targets, router_stats=stats, documents=documents), 1.0
         valid = targets != IGNORE_INDEX
         documents = None
         if separator is not None:  # this micro-batch's own split, its chunks dealt out by attention work
             positions = document_positions(inputs, separator)
             cp = cp.for_documents(DocumentLayout.from_tokens(host_ids, separator), positions,
-                                  chunks_per_rank=self.run.parallel.cp_document_chunks)
+                                  chunks_per_rank=self.run.parallel.cp_document_chunks,
+                                  window=model.config.active_window)
             documents = Documents(cp.shard(positions), None)
         inputs, targets = cp.shard(inputs), cp.shard(targets)
         share = (targets != IGNORE_INDEX).sum() / valid.sum().clamp_min(1)
