@@ -106,7 +106,8 @@ def _value_for(key: str, default: str) -> str:
     if default == "from the preset":
         return toml_value(getattr(get_preset("tiny"), key.split(".")[-1]))
     return {"optim.adamw_lr": "0.002", "phases.0.sources.0.path": '"data/other"',
-            "phases.0.isolate_documents": "true"}[key]
+            "phases.0.isolate_documents": "true", "model.sliding_window": "64",
+            "model.layer_types": '["hybrid", "hybrid", "hybrid", "hybrid"]'}[key]
 
 
 def _lookup(config, key: str):
@@ -214,7 +215,7 @@ def test_every_number_has_a_range_that_holds_its_default_and_is_documented():
     assert {key for key, _, _ in numbers} == set(RANGES)  # every number has a range, every range a number
     for key, _, default in numbers:
         assert default is None or RANGES[key].holds(default), (key, default)
-    model = {f.name for f in dataclasses.fields(ZayaConfig) if f.type in ("int", "float", int, float)}
+    model = {f.name for f in dataclasses.fields(ZayaConfig) if f.type in ("int", "float", "int | None", int, float)}
     assert model == {*SIZE_LIMITS, *FLOAT_RANGES, "pad_token_id", "bos_token_id", "eos_token_id"}
     documented = dict(config_docs.range_rows())
     assert set(documented) == set(RANGES) | {f"model.{name}" for name in model}

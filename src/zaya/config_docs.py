@@ -28,6 +28,7 @@ from typing import Any
 from zaya.config import MOVED_KEYS, RANGES, RunConfig
 from zaya.config_toml import toml_value
 from zaya.errors import ZayaError
+from zaya.model import presets as presets_module
 from zaya.model.config import FLOAT_RANGES, SIZE_LIMITS, ZayaConfig
 from zaya.model.presets import PRESETS, ModelSection, get_preset
 from zaya.optim.config import ADJUST_LR_FNS, NS_BACKENDS, NS_DTYPE_NAMES
@@ -221,8 +222,21 @@ def _preset_table() -> list[str]:
     names = [f.name for f in dataclasses.fields(ZayaConfig) if any(f.name in p for p in PRESETS.values())]
     rows = ["| field | " + " | ".join(f"`{n}`" for n in PRESETS) + " |", "| --- |" + " --- |" * len(PRESETS)]
     for field_name in names:
-        rows.append(f"| {field_name} | " + " | ".join(toml_value(configs[n][field_name]) for n in PRESETS) + " |")
+        rows.append(f"| {field_name} | " + " | ".join(_preset_value(configs[n][field_name]) for n in PRESETS) + " |")
     return rows
+
+
+def _preset_value(value: Any) -> str:
+    """A preset's value in a table cell: unset for None, and a list that repeats a pattern (40 block types) as
+    the pattern and its count."""
+    if value is None:
+        return "unset"
+    if isinstance(value, list) and value:
+        n = len(value)
+        period = next(p for p in range(1, n + 1) if n % p == 0 and value == value[:p] * (n // p))
+        if period < n:
+            return f"{toml_value(value[:period])} × {n // period}"
+    return toml_value(value)
 
 
 _HEADER = f"""\
@@ -313,7 +327,11 @@ def render() -> str:
             out += _table(section.keys[:1])
             out += ["", "### Model fields", ""]
             out += _table(section.keys[1:])
-            out += ["", "### Presets", "", "The values each preset gives the fields that any preset sets:", ""]
+            # the presets module's docstring after its title line says what each preset is
+            about = " ".join(" ".join(inspect.getdoc(presets_module).split("\n\n")[1:]).split())
+            about = textwrap.fill(about, width=_WIDTH, break_on_hyphens=False, break_long_words=False)
+            out += ["", "### Presets", "", about, "", "The values each preset gives the fields that any preset sets:",
+                    ""]
             out += _preset_table()
         else:
             out += _table(section.keys)

@@ -39,8 +39,17 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention
                 "head_dim", "num_experts", "moe_intermediate_size", "router_hidden_size", "cca_time0", "cca_time1")
 # the fields that change what the same tensors compute: a difference is allowed (a longer context's RoPE base,
 # say) and said
-FUNCTION_FIELDS = ("partial_rotary_factor", "rope_theta", "rms_norm_eps", "skip_route")
+FUNCTION_FIELDS = ("partial_rotary_factor", "rope_theta", "rms_norm_eps", "skip_route", "layer_types", "sliding_window",
+                   "sliding_rope_theta", "sliding_partial_rotary_factor")
 _HASH_CHUNK = 1 << 22
+
+
+def _function(config: ZayaConfig, name: str):
+    """A function field as the blocks use it: no list of types and a list of "hybrid" only are the same model (an
+    HF config.json always lists the types), and the sliding fields of a model without sliding blocks are none."""
+    if name == "layer_types":
+        return [config.layer_type(i) for i in range(config.num_hidden_layers)]
+    return None if name.startswith("sliding_") and not config.sliding_blocks else getattr(config, name)
 
 
 def model_dir_kind(path: Path) -> str:
@@ -124,9 +133,9 @@ class WeightSource:
             shown = ", ".join(f"model.{name} = {getattr(self.config, name)} there, {getattr(config, name)} here"
                               for name in differ)
             raise ZayaError(f"{key}: {self.path} holds a model of another shape ({shown})")
-        return [f"{key}: model.{name} is {getattr(self.config, name)} in {self.path}; the run uses its own, "
-                f"{getattr(config, name)}" for name in FUNCTION_FIELDS
-                if getattr(self.config, name) != getattr(config, name)]
+        return [f"{key}: model.{name} is {_function(self.config, name)} in {self.path}; the run uses its own, "
+                f"{_function(config, name)}" for name in FUNCTION_FIELDS
+                if _function(self.config, name) != _function(config, name)]
 
     def fingerprint(self) -> str:
         """sha256 of what the weights are: a checkpoint's manifests (which hold every file's checksum), an HF

@@ -62,9 +62,9 @@ class ZayaConfig:
     cca_time1: int = 2  # kernel of the per-head grouped convolution
     partial_rotary_factor: float = 0.5  # share of head_dim that RoPE rotates (in `hybrid` blocks)
     rope_theta: float = 10_000.0  # RoPE base (of `hybrid` blocks; a context-extension phase raises it)
-    # Each block's type (LAYER_TYPES), one entry per block; None: every block `hybrid`. A `hybrid_sliding` block
-    # attends to the last `sliding_window` positions only (key s seen by query t iff t - W < s <= t) and rotates
-    # by its own RoPE parameters, transformers' defaults for the type.
+    # Each block's type, "hybrid" or "hybrid_sliding", one entry per block; unset: every block "hybrid". A
+    # "hybrid_sliding" block attends to the last `sliding_window` positions only (key s seen by query t iff
+    # t - W < s <= t) and rotates by its own RoPE parameters (sliding_rope_theta, sliding_partial_rotary_factor).
     layer_types: list[str] | None = None
     sliding_window: int | None = None  # W, the positions a `hybrid_sliding` block sees (itself included)
     sliding_partial_rotary_factor: float = 0.5  # share of head_dim that RoPE rotates in `hybrid_sliding` blocks

@@ -1,7 +1,9 @@
 """Named model shapes: the one complexity dial of the model family.
 
 `micro` and `mini` are the smallest faithful configs of the spec (section 12: every feature kept); `tiny` and
-`small` are CPU training sizes; `zaya1-base` and `zaya1-8b` are the published shapes.
+`small` are CPU training sizes; `zaya1-base` and `zaya1-8b` are the published shapes; `zaya1-sliding`, a design of
+ours and no published checkpoint, is ZAYA1-8B with three blocks of every four attending through a sliding window
+of 4,096 positions.
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ PRESETS: dict[str, dict] = {
     # ZAYA1-8B: the HF-native checkpoint, RoPE base 5e6, 131k positions, eos <end_of_turn> = 106.
     "zaya1-8b": dict(
         _ZAYA1_SHAPE, rope_theta=5_000_000.0, max_position_embeddings=131_072, eos_token_id=106, skip_route="zero",
+    ),
+    # Our design, not a published model: ZAYA1-8B's shape and RoPE with three blocks of every four attending to
+    # the last 4,096 positions only (hybrid_sliding) and every fourth, the last included, to the whole context.
+    # At 131k positions a sliding block's attention has 1/16 of a full block's query-key pairs (a causal row's
+    # query sees 65k keys on average, a window's at most 4,096), and its decode cache holds 4,096 positions
+    # instead of 131k. The sliding blocks' RoPE base is transformers' default for the type, 1e4, that of the 4k
+    # pretraining in configs/zaya1-base.toml; the full blocks keep ZAYA1-8B's 5e6 for 131k.
+    "zaya1-sliding": dict(
+        _ZAYA1_SHAPE, rope_theta=5_000_000.0, max_position_embeddings=131_072, eos_token_id=106, skip_route="zero",
+        layer_types=(["hybrid_sliding"] * 3 + ["hybrid"]) * 10, sliding_window=4096, sliding_rope_theta=10_000.0,
     ),
 }
 
