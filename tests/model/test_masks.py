@@ -36,9 +36,9 @@ def _layout(seed: int, window: int | None) -> DocumentLayout:
 
 def _dense(layout: DocumentLayout) -> np.ndarray:
     """The mask as a [B, T, T] bool array, from `allowed`: the reference the segments must cover."""
-    t = torch.arange(layout.length)
-    first = t - layout.positions()
-    return np.stack([allowed(t, first[b], t, layout.window).numpy() for b in range(layout.batch)])
+    T = layout.length
+    first = torch.arange(T) - layout.positions()
+    return np.stack([allowed(0, T, 0, T, first[b], layout.window).numpy() for b in range(layout.batch)])
 
 
 def _paint(layout: DocumentLayout, table: np.ndarray, counts: np.ndarray, reference: np.ndarray) -> None:

@@ -38,9 +38,9 @@ def _inputs(dtype, groups: int, heads: int = 2, d: int = 8, batch: int = 2, seed
 def _dense(q, k, v, layout: DocumentLayout):
     """The reference: explicit scores, the [B, T, T] mask from `allowed`, softmax, in fp64."""
     g = q.shape[1] // k.shape[1]
-    t = torch.arange(layout.length)
-    first = t - layout.positions()
-    mask = torch.stack([allowed(t, first[b], t, layout.window) for b in range(layout.batch)])[:, None]
+    T = layout.length
+    first = torch.arange(T) - layout.positions()
+    mask = torch.stack([allowed(0, T, 0, T, first[b], layout.window) for b in range(layout.batch)])[:, None]
     scores = q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
     return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.double().repeat_interleave(g, 1)
 

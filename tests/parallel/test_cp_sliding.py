@@ -92,8 +92,7 @@ def _attention_worker(rank: int, world: int, cases: list[tuple]) -> dict:
         documents = DocumentLayout(rows, T)
         positions = documents.positions()
         first = torch.arange(T) - positions
-        t = torch.arange(T)
-        mask = torch.stack([allowed(t, first[b], t, window) for b in range(B)])[:, None, None]  # [B, 1, 1, T, T]
+        mask = torch.stack([allowed(0, T, 0, T, first[b], window) for b in range(B)])[:, None, None]  # [B, 1, 1, T, T]
         qkv = [x.clone().requires_grad_() for x in (q, k, v)]
         scores = torch.einsum("bhgqd,bhkd->bhgqk", qkv[0].view(B, Hk, Hq // Hk, T, d), qkv[1]) / math.sqrt(d)
         expected = torch.einsum("bhgqk,bhkd->bhgqd", scores.masked_fill(~mask, -math.inf).softmax(-1), qkv[2])

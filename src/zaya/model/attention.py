@@ -372,8 +372,8 @@ class CompressedConvAttention(nn.Module):
             first = torch.arange(T, device=positions.device) - positions
             out = packed_attention(q, k, v, plan, first, self.window)
         elif band is not None and past_len == 0:
-            first = torch.zeros(B, T, dtype=torch.long, device=q.device)
-            out = packed_attention(q, k, v, band, first, self.window)
+            no_documents = torch.zeros(B, 0, dtype=torch.long, device=q.device)
+            out = packed_attention(q, k, v, band, no_documents, self.window)
         else:
             out = _causal_attention(q, k, v, past_len, first_key, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))

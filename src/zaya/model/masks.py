@@ -209,10 +209,23 @@ def segment_work(segments: np.ndarray, batch: int) -> int:
     return int((np.where(causal, lq * (lq + 1) // 2, lq * lk) * rows).sum())
 
 
-def allowed(t: torch.Tensor, first: torch.Tensor, s: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[Lq, Lk] bool: which keys at indices `s` [Lk] queries at indices `t` [Lq], whose documents start at
-    `first` [Lq], may see. The one place the rule is written as tensors; for a MASKED segment only."""
-    ok = (s[None, :] >= first[:, None]) & (s[None, :] <= t[:, None])
+def allowed(q0: int, q1: int, k0: int, k1: int, first: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[q1 - q0, k1 - k0] bool: which keys [k0, k1) queries [q0, q1) may see, the queries' documents starting at
+    `first` [q1 - q0] (global indices), or with `first` of no elements one document per row, starting before
+    every key. The one place the rule is written as tensors; for a MASKED segment only."""
+    ok = band_mask(q1 - q0, k1 - k0, q0 - k0, window, first.device)
+    if first.numel():
+        ok = ok & (torch.arange(k0, k1, device=first.device)[None, :] >= first[:, None])
+    return ok
+
+
+@functools.lru_cache(maxsize=64)
+def band_mask(queries: int, keys: int, offset: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[queries, keys] bool: causal and within `window`, query i being `offset` positions after key i. Made once
+    per shape (every full tile of a sliding block's band has the same one); read, never written."""
+    t = torch.arange(queries, device=device)[:, None] + offset
+    s = torch.arange(keys, device=device)[None, :]
+    ok = s <= t
     if window is not None:
-        ok &= (t[:, None] - s[None, :]) < window
+        ok &= t - s < window
     return ok

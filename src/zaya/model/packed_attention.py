@@ -91,7 +91,8 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, segments: Tensor, first: T
                      window: int | None = None) -> Tensor:
     """Softmax attention of q [B, Hq, T, d] over k, v [B, Hk, T, d] (Hk divides Hq) restricted to `segments`
     [n, 6] (int64, on the host: `zaya.model.masks.DocumentLayout.segments`), whose MASKED segments read
-    `first` [B, T] (on q's device: where each token's document starts) and the sliding `window`."""
+    `first` [B, T] (on q's device: where each token's document starts; [B, 0]: one document per row) and the
+    sliding `window`."""
     if segments.device.type != "cpu":  # the operator reads the plan: from a device, every call would wait for it
         raise ValueError(f"the attention's segments are on {segments.device}: they are a host tensor, planned "
                          "and read there")

@@ -18,6 +18,7 @@ document either.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 from torch import Tensor
@@ -76,10 +77,23 @@ def _fused_operands(q5: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, T
             v.reshape(B * Hk, 1, Lk, d).expand(-1, g, -1, -1))
 
 
+# The additive form of each mask, by the mask's identity, for as long as the mask lives: a sliding band's masks
+# (one per tile shape, `zaya.model.masks.band_mask`) live on, so theirs are made once per dtype.
+_ADDITIVE: dict[int, tuple[weakref.ref, dict[torch.dtype, Tensor]]] = {}
+
+
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     if mask is None:
         return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    key = id(mask)
+    entry = _ADDITIVE.get(key)
+    if entry is None or entry[0]() is not mask:
+        entry = _ADDITIVE[key] = (weakref.ref(mask, lambda _, key=key: _ADDITIVE.pop(key, None)), {})
+    made = entry[1]
+    if dtype not in made:
+        made[dtype] = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
+                                  torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+    return made[dtype]
 
 
 def _use_fused(q5: Tensor, k: Tensor, causal: bool):
@@ -171,12 +185,13 @@ def merge(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tuple[
 class Segments:
     """The segments [n, 6] of one query range against one key range (`DocumentLayout.segments`), with what
     maps them onto a device's tensors: `q_offset` and `k_offset`, the global index of the first local query
-    and key; `first` [B, Lq], the global index where each local query's document starts (for MASKED segments);
-    and the sliding `window`. `disjoint`: no query is in two segments (a row's plan against itself), so that
+    and key; `first` [B, Lq], the global index where each local query's document starts (for MASKED segments;
+    of no elements: one document per row, whose masks depend on their shape alone and are made once); and the
+    sliding `window`. `disjoint`: no query is in two segments (a row's plan against itself), so that
     each query's partial is its whole attention; `keys_disjoint`: no key either (no sliding window's bands), so
     that each key's gradient comes from one segment."""
 
-    def __init__(self, table, q_offset: int, k_offset: int, first: Tensor | None, window: int | None):
+    def __init__(self, table, q_offset: int, k_offset: int, first: Tensor, window: int | None):
         self.rows = [tuple(int(x) for x in r) for r in (table.tolist() if hasattr(table, "tolist") else table)]
         self.q_offset, self.k_offset, self.first, self.window = q_offset, k_offset, first, window
         spans = sorted((row, q0, q1) for row, q0, q1, *_ in self.rows)
@@ -190,10 +205,8 @@ class Segments:
             rows = slice(None) if row < 0 else slice(row, row + 1)
             mask = None
             if kind == MASKED:
-                t = torch.arange(q0, q1, device=self.first.device)
-                s = torch.arange(k0, k1, device=self.first.device)
-                first = self.first[row, q0 - self.q_offset:q1 - self.q_offset]
-                mask = allowed(t, first, s, self.window)
+                first = self.first[row, q0 - self.q_offset:q1 - self.q_offset] if self.first.numel() else self.first
+                mask = allowed(q0, q1, k0, k1, first, self.window)
             yield (rows, slice(q0 - self.q_offset, q1 - self.q_offset), slice(k0 - self.k_offset, k1 - self.k_offset),
                    kind == CAUSAL, mask)
 

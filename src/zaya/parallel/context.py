@@ -239,7 +239,7 @@ class ContextParallel:
 
         if self.documents is None:  # one document per row: the same segments for every row (row -1), whose
             starts = ((0,),) * batch  # documents all start at 0
-            first = torch.zeros(1, self.layout.length // self.size, dtype=torch.long, device=device)
+            first = torch.zeros(1, 0, dtype=torch.long, device=device)  # no document starts: masks by shape
         else:
             starts, first = self.documents.starts, self._first
         documents = DocumentLayout(starts, self.layout.length, window)
