@@ -7,6 +7,9 @@ compiler from fusing it whole:
 
 - the caches are preallocated to a fixed capacity S; a new key/value is written at its position with
   `index_copy_`, and attention runs over all S slots with the slots after the position masked out;
+- a sliding block's cache is a ring of min(W, S) slots, position p in slot p mod W (the eager ring's rule):
+  once the ring is full every slot holds one of the W positions the new token sees, and its memory stays flat
+  however long the generation;
 - the position is a tensor, so one compiled graph serves every step;
 - each token's expert weights are gathered by index (`Experts.gathered`), so no host sync picks the expert.
 
@@ -33,7 +36,8 @@ CAPACITY_QUANTUM = 256  # capacities are rounded up to a multiple of this, so ne
 @dataclass
 class StaticCache:
     """Per attention layer: post-RoPE keys and values [B, n_k, S, d] (slots past the position hold
-    anything, they are masked), the convolutions' state [B, P, C] and the value-shift state [B, 1, n_k d / 2]."""
+    anything, they are masked), the convolutions' state [B, P, C] and the value-shift state [B, 1, n_k d / 2].
+    A sliding block's S is min(W, capacity): a ring, position p in slot p mod W."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -42,20 +46,26 @@ class StaticCache:
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2]
+        """The most slots of any layer: the positions the full blocks can hold (a sliding block's ring holds
+        the last W of any number)."""
+        return max(k.shape[2] for k in self.keys)
 
     @classmethod
     def from_cache(cls, cache: DecodeCache, capacity: int) -> StaticCache:
-        """A copy of an eager cache, in buffers of `capacity` positions."""
+        """A copy of an eager cache, in buffers of `capacity` positions; a sliding block's ring (the eager
+        ring's slots, position p in slot p mod W) in min(W, capacity)."""
         if cache.length > capacity:
             raise ZayaError(f"the decode cache holds {cache.length} positions, more than the capacity {capacity}")
         keys, values = [], []
         for layer in cache.layers:
             B, H, _, d = layer.keys.shape
-            k = layer.keys.new_zeros(B, H, capacity, d)
-            v = layer.values.new_zeros(B, H, capacity, d)
-            k[:, :, : layer.length] = layer.keys[:, :, : layer.length]
-            v[:, :, : layer.length] = layer.values[:, :, : layer.length]
+            slots = capacity if layer.window is None else min(layer.window, capacity)
+            # zeros, not garbage, in the slots not yet written: a masked slot's value is still multiplied by 0
+            k = layer.keys.new_zeros(B, H, slots, d)
+            v = layer.values.new_zeros(B, H, slots, d)
+            # the eager ring's slot of position p is p mod W too, and its first `stored` slots are the written ones
+            k[:, :, : layer.stored] = layer.keys[:, :, : layer.stored]
+            v[:, :, : layer.stored] = layer.values[:, :, : layer.stored]
             keys.append(k)
             values.append(v)
         conv = [layer.conv_state.clone() for layer in cache.layers]
@@ -79,20 +89,27 @@ def decode_step(
     same for every row); writes its keys, values and states into `cache`. `weights` holds each block's
     `attn.derived_weights()` (else they are derived here, every step)."""
     index = position.reshape(1)
-    rope = (*model.rotary(index), model.rotary.partner)
-    visible = (torch.arange(cache.capacity, device=index.device) <= index)[None, :]  # [1, S]
+    ropes = model.rope(index)
+    # the slots written so far: those up to the position; in a sliding block's ring, all of them once the
+    # position reaches W - 1, each then holding one of the W positions the token sees
+    visible = {}
     h = model.embed_scaling(model.embed(token_B[:, None]))
     router_state = None
     for i, block in enumerate(model.blocks):
         attn = block.attn
         derived = weights[i] if weights is not None else None
-        q, k, v, conv, shift = attn.project(block.attn_norm(h), rope, cache.conv[i], cache.shift[i], derived)
+        q, k, v, conv, shift = attn.project(block.attn_norm(h), ropes[block.layer_type], cache.conv[i],
+                                            cache.shift[i], derived)
         cache.conv[i].copy_(conv)
         cache.shift[i].copy_(shift)
-        cache.keys[i].index_copy_(2, index, k.to(cache.keys[i].dtype))
-        cache.values[i].index_copy_(2, index, v.to(cache.values[i].dtype))
+        slots = cache.keys[i].shape[2]
+        slot = index if block.window is None else index % slots  # ring: min(W, capacity) slots
+        cache.keys[i].index_copy_(2, slot, k.to(cache.keys[i].dtype))
+        cache.values[i].index_copy_(2, slot, v.to(cache.values[i].dtype))
+        if slots not in visible:
+            visible[slots] = (torch.arange(slots, device=index.device) <= index)[None, :]  # [1, S]
         keys, values = cache.keys[i].to(q.dtype), cache.values[i].to(q.dtype)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[slots], enable_gqa=True)
         a = attn.o_proj(out.transpose(1, 2).flatten(2))
         h, router_state = block.after_attention(a, h, router_state, gathered=True)
     return model.logits(model.norm(h)[:, -1])

@@ -22,6 +22,15 @@ layer:
    partial (out, lse); p - 1 sequential steps moving (p - 1) / p of the whole cache through every rank.
 4. o_proj and the rest of the block (`ZayaBlock.after_attention`), replicated.
 
+A sliding block (window W) reads the keys of positions P - W + 1 .. P only, for a token at position P. Its
+cache on every rank is a ring of the last W positions of that rank's shard (`AttentionCache(window)`; a sharded
+prefill appends rank r's chunk to it as if its positions were 0 .. L - 1, and decoding carries on that count on
+the owner): since the ranks hold consecutive runs whose lengths every rank tracks, rank r's shard starts at
+the sum of the lengths before it, and the window reaches the last min(its length, start + length - (P - W + 1))
+of its positions, a suffix of what its ring holds. A rank the window does not reach reads nothing, and joins
+the combination with an empty part; once the window lies within the owner's shard, no other rank is reached
+and the owner attends alone and broadcasts the layer's attention output instead of its query.
+
 Bytes sent are counted per rank in a `CommCounter`, as `zaya.parallel.comm` counts them (all-reduce of S bytes:
 2 S (p - 1) / p); a broadcast is counted as the pipelined ring broadcast sends it: S bytes from every rank
 except the last one of the chain.
@@ -53,8 +62,10 @@ class ShardedDecoder:
     the same order; both return the same next-token logits [B, V] on every rank.
 
     `kernel` is "tree" (Tree Attention) or "ring" (the ring-pass baseline); `counter` collects the bytes this
-    rank sends, by kind ("query", "tree_max", "tree_sum", "ring_kv", "prefill", "token", and the sharded
-    prefill's "cp_halo" and "cp_kv").
+    rank sends, by kind ("query", "tree_max", "tree_sum", "ring_kv", "window_out" (a sliding block's output,
+    where the window reaches the owner's shard alone), "prefill", "token", and the sharded prefill's kinds).
+    `attended[i]` counts the keys this rank's attention has read in block i over all steps: a shard a sliding
+    block's window does not reach adds none.
     """
 
     def __init__(self, model: Zaya, group: dist.ProcessGroup | None = None, *, kernel: str = "tree",
@@ -75,6 +86,7 @@ class ShardedDecoder:
         # tokens in each rank's cache (the same in every layer), tracked on every rank: the ring receives
         # shards of these sizes without asking for them
         self.shard_lengths = [0] * self.size
+        self.attended = [0] * len(model.blocks)
         self._device = model.embed.weight.device
 
     @property
@@ -129,8 +141,9 @@ class ShardedDecoder:
     @torch.inference_mode()
     def attach(self, cache: DecodeCache, position: int) -> None:
         """Decode on from caches filled elsewhere: `cache` holds this rank's shard of a sequence of `position`
-        tokens (the owner's with its convolution and value-shift states). One all-gather learns the shard
-        lengths of every rank."""
+        tokens (the owner's with its convolution and value-shift states); a sliding block's, the ring of its
+        shard's own positions (the shard appended to `AttentionCache(window)` from its count 0, as a sharded
+        prefill leaves it). One all-gather learns the shard lengths of every rank."""
         length = torch.tensor([cache.length], dtype=torch.long, device=self._device)
         lengths = [torch.empty_like(length) for _ in range(self.size)]
         dist.all_gather(lengths, length, group=self.group)
@@ -148,12 +161,12 @@ class ShardedDecoder:
                             f"({model.config.max_position_embeddings:,}): no position is left for another token")
         ids = token.to(self._device).view(-1, 1)
         positions = torch.tensor([self.position], device=self._device)
-        rope = (*model.rotary(positions), model.rotary.partner)
+        ropes = model.rope(positions)
         self.shard_lengths[self.owner] += 1  # every layer appends this token on the owner before attending
         h = model.embed_scaling(model.embed(ids))
         router_state = None
-        for block, cache in zip(model.blocks, self.cache.layers, strict=True):
-            a = self._attention(block.attn, block.attn_norm(h), rope, cache)
+        for i, (block, cache) in enumerate(zip(model.blocks, self.cache.layers, strict=True)):
+            a = self._attention(i, block.attn, block.attn_norm(h), ropes[block.layer_type], cache)
             h, router_state = block.after_attention(a, h, router_state)
         self.position += 1
         return model.logits(model.norm(h)[:, -1])
@@ -166,20 +179,50 @@ class ShardedDecoder:
 
     # ---- one attention layer ----------------------------------------------------------------------------
 
-    def _attention(self, attn: CompressedConvAttention, x: Tensor, rope: tuple[Tensor, Tensor, Tensor],
-                   cache: AttentionCache) -> Tensor:
+    def reach(self, window: int | None) -> list[int]:
+        """How many of each rank's positions the current token (at `self.position`, already counted in the
+        owner's shard) sees in a block of sliding `window` (None: all of them). The shards are consecutive
+        runs, so each rank's count is a suffix of its shard."""
+        if window is None:
+            return list(self.shard_lengths)
+        first = self.position - window + 1  # the window's first position
+        seen, start = [], 0
+        for length in self.shard_lengths:
+            seen.append(max(0, min(length, start + length - first)))
+            start += length
+        return seen
+
+    def _attention(self, layer: int, attn: CompressedConvAttention, x: Tensor,
+                   rope: tuple[Tensor, Tensor, Tensor], cache: AttentionCache) -> Tensor:
         B = x.shape[0]
         Hq, Hk, d = attn.num_q_heads, attn.num_kv_heads, attn.head_dim
+        dtype = attn.temp.dtype  # project()'s
         if self.is_owner:
             q, k, v, cache.conv_state, cache.value_state = attn.project(x, rope, cache.conv_state, cache.value_state)
             cache.append(k, v)
             q = q.contiguous()
         else:
-            q = x.new_empty((B, Hq, 1, d), dtype=attn.temp.dtype)  # project()'s dtype
-        self._broadcast(q, "query")
-        q5 = q.view(B, Hk, Hq // Hk, 1, d)
-        out = self._tree(q5, cache) if self.kernel == "tree" else self._ring(q5, cache)
-        out = out.to(q.dtype).view(B, Hq, 1, d)
+            q = x.new_empty((B, Hq, 1, d), dtype=dtype)
+        seen = self.reach(attn.window)
+        keys, values = _visible(cache, seen[self.rank], (B, Hk, 0, d), dtype, self._device)
+        if attn.window is not None and sum(seen) == seen[self.owner]:
+            # the window lies within the owner's shard: it attends alone and sends the output, the query's size
+            if self.is_owner:
+                out = self._local(q.view(B, Hk, Hq // Hk, 1, d), keys, values)[0].to(dtype).view(B, Hq, 1, d)
+                self.attended[layer] += seen[self.owner]
+            else:
+                out = q
+            self._broadcast(out, "window_out")
+        else:
+            self._broadcast(q, "query")
+            q5 = q.view(B, Hk, Hq // Hk, 1, d)
+            if self.kernel == "tree":
+                out = self._tree(q5, keys, values)
+                self.attended[layer] += seen[self.rank]
+            else:  # every shard comes by
+                out = self._ring(q5, keys, values, seen)
+                self.attended[layer] += sum(seen)
+            out = out.to(dtype).view(B, Hq, 1, d)
         return attn.o_proj(out.transpose(1, 2).reshape(B, 1, -1))
 
     def _local(self, q5: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
@@ -190,8 +233,8 @@ class ShardedDecoder:
             return q5.new_zeros(q5.shape, dtype=acc), q5.new_full(q5.shape[:-1], float("-inf"), dtype=acc)
         return block_forward(q5, keys, values, False, 1.0 / math.sqrt(q5.shape[-1]))
 
-    def _tree(self, q5: Tensor, cache: AttentionCache) -> Tensor:
-        out, lse = self._local(q5, *_cached(cache, q5))
+    def _tree(self, q5: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        out, lse = self._local(q5, keys, values)
         top = lse.clone()
         all_reduce(top, self.group, self.counter, "tree_max", dist.ReduceOp.MAX)
         # the owner has just appended a key, so top is finite and every weight is in [0, 1]
@@ -200,18 +243,18 @@ class ShardedDecoder:
         all_reduce(packed, self.group, self.counter, "tree_sum")
         return packed[..., :-1] / packed[..., -1:]
 
-    def _ring(self, q5: Tensor, cache: AttentionCache) -> Tensor:
-        keys, values = _cached(cache, q5)
+    def _ring(self, q5: Tensor, keys: Tensor, values: Tensor, lengths: list[int]) -> Tensor:
+        """`lengths`: the keys each rank's shard brings (`reach`), which every rank knows."""
         held, origin = torch.stack([keys, values]), self.rank  # the shard in hand, and whose it is
         acc = None
         for hop in range(self.size):
             pending = None
             if hop < self.size - 1:  # post the next transfer before this shard's block is computed
                 source = (self.rank - hop - 1) % self.size
-                incoming = held.new_empty((*held.shape[:3], self.shard_lengths[source], held.shape[-1]))
+                incoming = held.new_empty((*held.shape[:3], lengths[source], held.shape[-1]))
                 # an empty shard is not sent; its receiver knows its length and does not wait for it
                 pending = (incoming, source, ring_shift(held, incoming, self.group, self.counter, "ring_kv"))
-            if self.shard_lengths[origin]:
+            if lengths[origin]:
                 acc = merge(acc, *block_forward(q5, held[0], held[1], False, 1.0 / math.sqrt(q5.shape[-1])))
             if pending is not None:
                 held, origin, requests = pending
@@ -223,14 +266,18 @@ class ShardedDecoder:
         broadcast(tensor, self.owner, self.group, self.counter, kind)
 
 
-def _cached(cache: AttentionCache, q5: Tensor) -> tuple[Tensor, Tensor]:
-    """Views of a layer's cached keys and values [B, Hk, L, d]; L = 0 on a rank that holds none yet (a prompt
-    too short to shard leaves every rank but the owner empty)."""
+def _visible(cache: AttentionCache, n: int, empty_shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> tuple[Tensor, Tensor]:
+    """The keys and values [B, Hk, n, d] of the last `n` positions a layer's cache holds (in any order: a
+    decode query sees them all alike). n = 0 on a rank the window does not reach, or that holds none yet (a
+    prompt too short to shard leaves every rank but the owner empty)."""
     if cache.keys is None:
-        B, Hk, _, _, d = q5.shape
-        empty = q5.new_empty((B, Hk, 0, d))
+        empty = torch.empty(empty_shape, dtype=dtype, device=device)
         return empty, empty
-    return cache.keys[:, :, : cache.length], cache.values[:, :, : cache.length]
+    if n == 0 or n == cache.stored:  # none, or every key held: a full block's first n slots, a ring's written ones
+        return cache.keys[:, :, :n], cache.values[:, :, :n]
+    slots = torch.arange(cache.length - n, cache.length, device=cache.keys.device) % cache.window
+    return cache.keys.index_select(2, slots), cache.values.index_select(2, slots)
 
 
 @torch.inference_mode()

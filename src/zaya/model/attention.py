@@ -93,9 +93,8 @@ class AttentionCache:
         the oldest in the ring."""
         if self.window is None:
             return (*self._grow(k_BHTd, v_BHTd), 0)
-        B, H, T, d = k_BHTd.shape
-        if self.keys is None:
-            self.keys, self.values = k_BHTd.new_empty(B, H, self.window, d), v_BHTd.new_empty(B, H, self.window, d)
+        T = k_BHTd.shape[2]
+        self._reserve(k_BHTd, v_BHTd, min(self.length + T, self.window))
         if T == 1 and self.length < self.window:  # filling the ring: its slots are in position order
             slot = self.length
             self.keys[:, :, slot:slot + 1], self.values[:, :, slot:slot + 1] = k_BHTd, v_BHTd
@@ -115,17 +114,25 @@ class AttentionCache:
         self.values.index_copy_(2, slots, values[:, :, -keep:])
         return keys, values, first
 
+    def _reserve(self, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor, slots: int) -> None:
+        """At least `slots` slots, grown by doubling (at most W for a ring: a short generation holds no more than
+        it needs). A ring grows only before it wraps, while slot = position, so the held keys keep their slots."""
+        held = self.keys.shape[2] if self.keys is not None else 0
+        if slots <= held:
+            return
+        capacity = max(slots, 2 * held, 64)
+        if self.window is not None:
+            capacity = min(capacity, self.window)
+        B, H, _, d = k_BHTd.shape
+        keys, values = k_BHTd.new_empty(B, H, capacity, d), v_BHTd.new_empty(B, H, capacity, d)
+        if self.keys is not None:
+            keys[:, :, : self.stored] = self.keys[:, :, : self.stored]
+            values[:, :, : self.stored] = self.values[:, :, : self.stored]
+        self.keys, self.values = keys, values
+
     def _grow(self, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, H, T, d = k_BHTd.shape
-        end = self.length + T
-        if self.keys is None or end > self.keys.shape[2]:
-            capacity = max(end, 2 * (self.keys.shape[2] if self.keys is not None else 0), 64)
-            keys = k_BHTd.new_empty(B, H, capacity, d)
-            values = v_BHTd.new_empty(B, H, capacity, d)
-            if self.keys is not None:
-                keys[:, :, : self.length] = self.keys[:, :, : self.length]
-                values[:, :, : self.length] = self.values[:, :, : self.length]
-            self.keys, self.values = keys, values
+        end = self.length + k_BHTd.shape[2]
+        self._reserve(k_BHTd, v_BHTd, end)
         self.keys[:, :, self.length : end] = k_BHTd
         self.values[:, :, self.length : end] = v_BHTd
         self.length = end
@@ -385,8 +392,9 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_le
     .. past_len + T - 1; -1: a sliding block's full ring, every key visible to its one query), causal in
     absolute positions and within `window`."""
     T, S = q.shape[2], k.shape[2]
-    if T == 1:  # a branch, not `is_causal=T > 1`: in a graph of varying length T is symbolic, which the kernel
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # does not take; the branch guards on it
+    if T == 1 and (window is None or first_key < 0 or window >= S):  # a branch, not `is_causal=T > 1`: in a
+        # graph of varying length T is symbolic, which the kernel does not take; the branch guards on it
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     if past_len == 0 and (window is None or window >= T):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     t = past_len + torch.arange(T, device=q.device)[:, None]
