@@ -5,13 +5,17 @@ Convention (written out because every project picks its own):
   6 x (parameters a token multiplies with): the active non-embedding parameters (attention projections,
   convolutions, router, the one expert it is routed to) plus the tied LM head (V x D); the embedding lookup
   and elementwise work (norms, scales, activations) are not counted.
-- attention: causal, so on average a token attends to (T + 1) / 2 positions; QK^T and AV cost
-  2 * 2 * H_q * d FLOPs per attended position in the forward pass, x3 for forward + backward.
+- attention: causal, so on average a token of a `hybrid` block attends to (T + 1) / 2 positions, and one of a
+  `hybrid_sliding` block of window W to the mean over t of min(t + 1, W): the pairs of a causal square of side
+  T under the window, over T (W (W + 1) / 2 + (T - W) W for T > W); summed over the blocks. QK^T and AV cost
+  2 * 2 * H_q * d FLOPs per attended position in the forward pass, x3 for forward + backward. Only the pairs
+  the mask allows count: a kernel that computes a masked tile whole does more work, not more model FLOPs.
 """
 
 from __future__ import annotations
 
 from zaya.model.config import ZayaConfig
+from zaya.model.masks import band_pairs
 from zaya.model.params import ParameterReport, parameter_report
 
 
@@ -22,10 +26,26 @@ def matmul_params_per_token(config: ZayaConfig, report: ParameterReport | None =
     return report.active_non_embedding + config.vocab_size * config.hidden_size
 
 
+def block_windows(config: ZayaConfig) -> dict[int | None, int]:
+    """How many blocks attend through each window: {None: the `hybrid` blocks, W: the sliding ones}, the
+    blocks that attend alike counted together (their attention costs the same)."""
+    counts: dict[int | None, int] = {}
+    for block in range(config.num_hidden_layers):
+        window = config.window(block)
+        counts[window] = counts.get(window, 0) + 1
+    return counts
+
+
+def attended_positions(seq_len: int, window: int | None = None) -> float:
+    """The keys a query sees on average in a causal row of `seq_len` tokens, within `window` (None: all)."""
+    return band_pairs(seq_len, window) / seq_len
+
+
 def attention_flops_per_token(config: ZayaConfig, seq_len: int) -> float:
-    """Forward FLOPs of QK^T and AV per token for causal attention over `seq_len` positions."""
-    attended = (seq_len + 1) / 2
-    return 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * attended
+    """Forward FLOPs of QK^T and AV per token for causal attention over `seq_len` positions, every block's
+    within its window."""
+    attended = sum(blocks * attended_positions(seq_len, window) for window, blocks in block_windows(config).items())
+    return 4 * config.num_attention_heads * config.head_dim * attended
 
 
 def training_flops_per_token(config: ZayaConfig, seq_len: int, report: ParameterReport | None = None) -> float:

@@ -102,7 +102,7 @@ class DocumentLayout:
         total = 0
         for b in range(self.batch):
             for n in self.lengths(b):
-                total += _band_pairs(n, self.window)
+                total += band_pairs(n, self.window)
         return total
 
     def segments(self, queries: tuple[int, int] | None = None, keys: tuple[int, int] | None = None) -> np.ndarray:
@@ -190,7 +190,7 @@ def window_segments(length: int, window: int) -> torch.Tensor:
     return torch.from_numpy(DocumentLayout(((0,),), length, window).segments())
 
 
-def _band_pairs(n: int, window: int | None) -> int:
+def band_pairs(n: int, window: int | None) -> int:
     """Pairs (t, s), s <= t < n, t - s < window: a causal square of side n under a window."""
     if window is None or window >= n:
         return n * (n + 1) // 2

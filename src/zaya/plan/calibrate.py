@@ -97,7 +97,9 @@ def measure_elementwise(preset: str, table, device: torch.device, tokens: int, r
     details = DeviceDetails(grouped_mm_row_multiple(device, dtype), loss_chunk_logits(device))
     layout = Layout(1, 1, 1, 1, 1, 1, "none")
     config = get_preset(preset, temp_init=1.0)
-    one_block = get_preset(preset, num_hidden_layers=1, temp_init=1.0)
+    # the optimizer's work of one block (of the first block's type: the types differ in attention only)
+    one_block = get_preset(preset, num_hidden_layers=1, temp_init=1.0,
+                           layer_types=config.layer_types[:1] if config.layer_types else None)
     ns = _ns_dtype(precision)
     uncalibrated = _Uncalibrated(table)
     predicted = step_time(config, layout, tokens, precision, 1, uncalibrated, Traffic(), {}, ns, 5, "allgather",

@@ -28,7 +28,8 @@ Packed documents kept apart (`isolate_documents`; `documents` below) change thre
 mask anywhere (`zaya.model.masks`): the convolutions contract each token's window of P + 1 packed vectors,
 masked at its document's start, so they keep the windows, C (P + 1) a, and their mask, (P + 1) f, instead of
 their input; the value shift keeps its mask, f; the RoPE tables are per row, 2 (tokens) d f. On one device the
-packed attention (`zaya.model.packed_attention`) keeps each token's document start, 8.
+packed attention (`zaya.model.packed_attention`) keeps each token's document start, 8, and its output is laid
+out by heads, so that W_o keeps a copy of it, Qa (SDPA's output, laid out by tokens, is W_o's input as it is).
 
 The attention's saved inputs and output, (Q + K)a + Ka + Qa above, are those of SDPA under autocast (its bf16
 casts). The segment kernels, the packed attention of one device and the attention of context parallelism
@@ -36,17 +37,33 @@ casts). The segment kernels, the packed attention of one device and the attentio
 does not cast: they keep q, k, v and the output in the dtype they reach them in, the elementwise math's f,
 (2Q + 2K)f.
 
+Sliding blocks (`hybrid_sliding`, window W) save what the `hybrid` ones do, per block, but for one term: on
+one device a row longer than W runs the segment operator over the window's band (`zaya.model.packed_attention`,
+keeping q, k, v, the output and the log-sum-exp as SDPA does, and no document starts without packed documents),
+whose output is laid out by heads, so that W_o keeps a copy of it, Qa (as with packed documents); a row of at
+most W tokens runs SDPA's causal kernel. Their RoPE tables are their own: 2 (T/cp) d f more where both block types are
+in the model (`zaya.model.transformer` forms each type's tables once, and a table no block uses is not kept).
+The band's kernel runs tiles of t queries over their t + W - 1 keys (`zaya.model.masks`) with a boolean mask
+and its additive form in the kernel's dtype, (1 + a) bytes an element, made once per tile shape and kept
+(`band_mask`): the first W / t tiles' shapes and the full tiles' one, tens of MB at W = 4096, not a [T, T]
+term; under context parallelism those of a chunk and of its block against the W - 1 keys before it. Split over
+cp ranks, a window whose W - 1 keys fit in the chunk before runs the halo kernel (`zaya.parallel.cp_window`),
+which keeps the keys and values it received for backward: 2 K a S (W - 1) / (T/cp) more per token (S chunks
+per rank).
+
 Activation checkpointing keeps instead, per block, the inputs of what it recomputes: "moe" the MoE
 sublayer's input and router state (Df + Rf), "full" the block's (Df + Rf); the recomputed block's
 activations then live during its backward (the `transient` component).
 
 Transients (the largest wins, the others are freed first): one chunk of the fused LM-head loss (logits,
-log-probabilities and their gradient, `zaya.model.loss`), or one recomputed block. Communication buffers:
-FSDP2's unsharded parameters, which the root keeps from forward to backward (on one rank every unit does,
-and under ZeRO-2 on any number: `zaya.parallel.fsdp`), two blocks' worth in flight otherwise (the current and
-the prefetched one), and two blocks' unsharded gradients before their reduce-scatter; under ZeRO-2 with more
-than one micro-batch, every gradient whole in fp32. The optimizer's Newton-Schulz workspace (the
-matrices this rank owns, whole, `zaya.optim.distributed`) is needed after backward, once activations are gone.
+log-probabilities and their gradient, `zaya.model.loss`), or one recomputed block; the sliding band's masks
+are kept beside it.
+Communication buffers: FSDP2's unsharded parameters, which the root keeps from forward to backward (on one
+rank every unit does, and under ZeRO-2 on any number: `zaya.parallel.fsdp`), two blocks' worth in flight
+otherwise (the current and the prefetched one), and two blocks' unsharded gradients before their
+reduce-scatter; under ZeRO-2 with more than one micro-batch, every gradient whole in fp32. The optimizer's
+Newton-Schulz workspace (the matrices this rank owns, whole, `zaya.optim.distributed`) is needed after
+backward, once activations are gone.
 
     total = parameters + gradients + optimizer state + max(activations + transient + buffers, workspace)
 
@@ -57,6 +74,11 @@ blocks' gathered experts in flight, every block's under ZeRO-2 and ZeRO-1 (kept 
 whole fp32 gradients ZeRO-2 accumulates. Activations are those of ep = 1: with uniform routing a rank's experts
 receive as many rows as it sends (the exchange's buffers are transient and outlived by the loss's chunk), and
 each of its E / ep experts pads its rows to the device's multiple.
+
+Decoding (`decode_cache_bytes`): a block's cache holds the keys and values of every position, a sliding
+block's of its last min(T, W) only (a ring of W slots), 2 H_k d a per position, and the convolutions' last
+P packed vectors and the value shift's last vector, (P C + H_k d / 2) a. The positions are counted exactly:
+the eager cache grows a `hybrid` block's buffer ahead of them (by doubling), a static one holds its capacity.
 """
 
 from __future__ import annotations
@@ -65,8 +87,12 @@ import functools
 from dataclasses import dataclass
 
 from zaya.model.config import ZayaConfig
+from zaya.model.flops import block_windows
+from zaya.model.masks import MASKED, DocumentLayout
+from zaya.parallel.cp_window import halo_fits
 from zaya.plan.inventory import Inventory, inventory
 from zaya.plan.layout import Layout
+from zaya.plan.traffic import window_halo
 
 FP32 = 4
 MODES = ("none", "moe", "full")
@@ -147,7 +173,8 @@ def state_bytes(inv: Inventory, shard_ranks: int, rank: int = 0, ep: int = 1) ->
 def _attention_per_token(c: ZayaConfig, p: Precision, segment: int, documents: bool = False,
                          kernel: str = "sdpa") -> float:
     """The attention sublayer's bytes per token; `documents`: packed documents kept apart; `kernel`: "sdpa"
-    (one device, whole rows), "packed" (one device, packed documents) or "split" (context parallelism)."""
+    (one device, whole rows), "band" (one device, a sliding window shorter than the row), "packed" (one
+    device, packed documents) or "split" (context parallelism)."""
     D, Q, K, G, Hq = c.hidden_size, c.query_latent, c.key_latent, c.num_attention_heads + c.num_key_value_heads, \
         c.num_attention_heads
     C, a, f, P = Q + K, p.a, p.f, c.conv_padding
@@ -156,8 +183,10 @@ def _attention_per_token(c: ZayaConfig, p: Precision, segment: int, documents: b
     # the convolutions' input, or with documents their masked windows, their mask and the value shift's mask
     convolution = C * (P + 1) * a + (P + 1) * f + f if documents else C * a * (1 + P / segment)
     # the attention's q, k, v and output, in the autocast dtype (the segment kernels are handed autocast copies
-    # as SDPA makes them); the packed kernel also keeps each token's document start
-    saved = {"sdpa": (Q + K) * a + K * a + Q * a, "split": (2 * Q + 2 * K) * a, "packed": (2 * Q + 2 * K) * a + 8}
+    # as SDPA makes them); the segment operator's output is laid out by heads, so W_o's input is a copy of it,
+    # Qa more (SDPA's is laid out by tokens: W_o reads it as it is); with documents each token's document start
+    saved = {"sdpa": (Q + K) * a + K * a + Q * a, "split": (2 * Q + 2 * K) * a, "band": (2 * Q + 2 * K) * a + Q * a,
+             "packed": (2 * Q + 2 * K) * a + Q * a + 8}
     return (2 * D * f + f + D * a + projected + convolution + 2 * C * f + 3 * G * f + saved[kernel] + Hq * f
             + D * f)
 
@@ -190,31 +219,85 @@ def row_padding(config: ZayaConfig, tokens: int, details: DeviceDetails, ep: int
     return 1 + config.num_experts // ep * (details.row_multiple - 1) / 2 / max(tokens, 1)
 
 
+def attention_kernel(cp: int, documents: bool, seq_len: int, window: int | None = None) -> str:
+    """Which attention a block of `window` (None: a `hybrid` block) runs, as its saved tensors go: "split"
+    (context parallelism), "packed" (one device, packed documents), "band" (one device, a sliding block's rows
+    longer than its window: the segment operator over the band) or "sdpa" (SDPA's causal kernel)."""
+    if cp > 1:
+        return "split"
+    if documents:
+        return "packed"
+    return "band" if window is not None and seq_len > window else "sdpa"
+
+
 def activation_bytes(config: ZayaConfig, tokens: int, seq_len: int, cp: int, precision: str, mode: str,
-                     details: DeviceDetails = GPU_DETAILS, ep: int = 1, documents: bool = False) -> tuple[int, int]:
+                     details: DeviceDetails = GPU_DETAILS, ep: int = 1, documents: bool = False,
+                     cp_chunks: int = 2) -> tuple[int, int]:
     """(saved, transient recompute) activation bytes of one micro-batch of `tokens` local tokens (sequences of
-    `seq_len` split over `cp` ranks) under checkpointing `mode` with `ep` expert-parallel ranks, packed
-    `documents` kept apart or not; see the module docstring."""
+    `seq_len` split over `cp` ranks, in `cp_chunks` chunks each) under checkpointing `mode` with `ep`
+    expert-parallel ranks, packed `documents` kept apart or not; see the module docstring."""
     c, p = config, Precision(precision)
     local = seq_len // cp
     segment = local // (2 if cp > 1 else 1)  # head-tail sharding: two runs per rank
     rho = row_padding(c, tokens, details, ep)
-    kernel = "split" if cp > 1 else "packed" if documents else "sdpa"
-    attention = _attention_per_token(c, p, segment, documents, kernel)
+    windows = block_windows(c)  # the blocks of each attention: `hybrid`, and sliding ones of their window
+    attention = {window: _attention_per_token(c, p, segment, documents, attention_kernel(cp, documents, seq_len,
+                                                                                          window))
+                 for window in windows}
+    halo = window_halo(c, seq_len, cp, cp_chunks)
+    if halo is not None:  # the keys and values the halo kernel received, kept for backward
+        attention[halo.window] += 2 * c.key_latent * p.a * halo.chunks * (halo.window - 1) / local
+    attention_all = sum(blocks * attention[window] for window, blocks in windows.items())  # per token, every block
     moe_outside, moe = _moe_outside_per_token(c), _moe_inside_per_token(c, p, rho)
     constants = _block_constants(c, p)
     kept = _kept_inputs_per_token(c)
     L = c.num_hidden_layers
     if mode == "none":
-        blocks, recompute = L * (tokens * (attention + moe_outside + moe) + constants), 0.0
+        blocks, recompute = tokens * (attention_all + L * (moe_outside + moe)) + L * constants, 0.0
     elif mode == "moe":
-        blocks, recompute = L * (tokens * (attention + moe_outside + kept) + constants), tokens * moe
+        blocks, recompute = tokens * (attention_all + L * (moe_outside + kept)) + L * constants, tokens * moe
     else:
-        blocks, recompute = L * tokens * kept, tokens * (attention + moe_outside + moe) + constants
+        blocks = L * tokens * kept
+        recompute = tokens * (max(attention.values()) + moe_outside + moe) + constants
     D = c.hidden_size
     rope_rows = tokens if documents else local  # each row's own positions, or the one sequence's
-    outside = tokens * (8 + 4 * D * FP32 + FP32) + c.vocab_size * D * FP32 + 2 * rope_rows * c.head_dim * FP32
+    rope = 2 * rope_rows * c.head_dim * FP32 * len(windows)  # each block type's tables
+    outside = tokens * (8 + 4 * D * FP32 + FP32) + c.vocab_size * D * FP32 + rope
     return int(blocks + outside), int(recompute)
+
+
+def window_mask_bytes(config: ZayaConfig, seq_len: int, cp: int, precision: str, cp_chunks: int = 2) -> int:
+    """The masks of a sliding block's band, boolean and additive (see the module docstring): one per shape of
+    tile in the plan of a row (under context parallelism, of a chunk's queries against its own keys and those
+    before it), each made once and kept; 0 without sliding blocks, or where no row is longer than the window."""
+    W = config.sliding_window if config.sliding_blocks else None
+    if W is None or (cp == 1 and seq_len <= W):
+        return 0
+    return _band_mask_area(seq_len, W, cp * cp_chunks if cp > 1 else 1) * (1 + Precision(precision).a)
+
+
+@functools.lru_cache(maxsize=64)
+def _band_mask_area(length: int, window: int, chunks: int) -> int:
+    """Elements of the distinct masks (`zaya.model.masks.band_mask`: one per shape and offset) of a row of
+    `length` tokens under `window`, or of one of its `chunks` chunks far enough in to see a whole window: its
+    own band, and its queries against the W - 1 keys before it (the halo kernel) or against each chunk before
+    it (the all-gather and ring kernels)."""
+    plan = DocumentLayout(((0,),), length, window)
+    L = length // chunks
+    c = min(chunks - 1, -(-window // L) + 1)
+    queries = (c * L, (c + 1) * L)
+    tables = [plan.segments(queries)]
+    if chunks > 1 and halo_fits(window, L):
+        tables.append(plan.segments(queries, (c * L - window + 1, c * L)))
+    elif chunks > 1:
+        tables += [plan.segments(queries, (k * L, (k + 1) * L)) for k in range(c)]
+    return sum(rows * keys for rows, keys, _ in band_shapes(tables))
+
+
+def band_shapes(tables) -> set[tuple[int, int, int]]:
+    """The (queries, keys, offset) of the MASKED segments of segment tables: what `band_mask` makes one of."""
+    return {(q1 - q0, k1 - k0, q0 - k0) for table in tables for _, q0, q1, k0, k1, kind in table.tolist()
+            if kind == MASKED}
 
 
 def loss_chunk_bytes(config: ZayaConfig, tokens: int, precision: str, details: DeviceDetails) -> int:
@@ -270,19 +353,37 @@ def workspace_bytes(inv: Inventory, shard_ranks: int, ns_bytes: int, replicas: i
 
 def memory_per_gpu(config: ZayaConfig, layout: Layout, seq_len: int, precision: str, ns_dtype: str = "bfloat16",
                    details: DeviceDetails = GPU_DETAILS, mode: str | None = None, micro_batches: int = 1,
-                   documents: bool = False) -> Memory:
+                   documents: bool = False, cp_chunks: int = 2) -> Memory:
     """The `Memory` of rank 0 (the largest shard) of a run of `layout` on sequences of `seq_len` tokens and
     `micro_batches` micro-batches a step; `mode` overrides the layout's activation checkpointing; `documents`:
-    packed documents kept apart."""
+    packed documents kept apart; `cp_chunks`: the chunks per rank of a split sequence."""
     inv = inventory(config)
     params, grads, optimizer = state_bytes(inv, layout.shard_ranks, 0, layout.ep)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     saved, recompute = activation_bytes(config, tokens, seq_len, layout.cp, precision,
-                                        mode or layout.activation_checkpointing, details, layout.ep, documents)
-    transient = max(recompute, loss_chunk_bytes(config, tokens, precision, details))
+                                        mode or layout.activation_checkpointing, details, layout.ep, documents,
+                                        cp_chunks)
+    # a sliding block's mask lives during its attention, beside a recomputed block, never beside the loss
+    # the band's masks are kept from their first use on, beside whichever transient is the largest
+    masks = window_mask_bytes(config, seq_len, layout.cp, precision, cp_chunks)
+    transient = max(recompute, loss_chunk_bytes(config, tokens, precision, details)) + masks
     ns_bytes = 2 if ns_dtype in ("bfloat16", "bf16") else FP32
     return Memory(parameters=params, gradients=grads, optimizer_state=optimizer, master_weights=0,
                   activations=saved, transient=transient,
                   communication_buffers=buffer_bytes(inv, layout.shard_ranks, precision, layout.sharding,
                                                      micro_batches, layout.ep),
                   optimizer_workspace=workspace_bytes(inv, layout.shard_ranks, ns_bytes, layout.dp_replicate))
+
+
+# ---- decoding ---------------------------------------------------------------------------------------------
+
+
+def decode_cache_bytes(config: ZayaConfig, positions: int, batch: int = 1, precision: str = "bf16") -> int:
+    """Bytes of the decode cache of `batch` sequences that have seen `positions` tokens, in the dtype of
+    `precision`'s matmuls (see the module docstring): every position's keys and values in a `hybrid` block,
+    the last min(positions, W) in a sliding one."""
+    c, a = config, Precision(precision).a
+    held = sum(blocks * (positions if window is None else min(positions, window))
+               for window, blocks in block_windows(c).items())
+    states = c.num_hidden_layers * (c.conv_padding * c.conv_channels + c.key_latent // 2)
+    return batch * (2 * c.key_latent * held + states) * a

@@ -79,6 +79,12 @@ def format_plan(plan) -> str:
         f"  layout: {layout.describe()}",
         f"  parameters: {plan.params.total:,} total, {plan.params.active:,} active, {plan.params.embedding:,} "
         f"embedding; {plan.flops_per_token / 1e9:.2f} GFLOP per token (training, seq {first.seq_len})",
+    ]
+    if plan.sliding:
+        lines.append(f"  attention: {plan.sliding['blocks']} of {plan.sliding['of']} blocks within a sliding window "
+                     f"of {plan.sliding['window']:,} positions; decode cache {first.decode_cache / GB:.2f} GB per "
+                     f"sequence of {first.seq_len:,} tokens")
+    lines += [
         "",
         f"memory per {unit} (phase '{first.name}', micro-batch of {layout.micro_batch_size} x "
         f"{first.seq_len // layout.cp} tokens)",

@@ -33,7 +33,7 @@ from zaya.parallel.config import sequence_split_problem
 from zaya.plan.devices import DeviceSpec
 from zaya.plan.documents import DocumentPlan, phase_documents
 from zaya.plan.layout import Layout, check_batch, expert_parallel_problem
-from zaya.plan.memory import MODES, DeviceDetails, Memory, activation_bytes, memory_per_gpu
+from zaya.plan.memory import MODES, DeviceDetails, Memory, activation_bytes, decode_cache_bytes, memory_per_gpu
 from zaya.plan.timing import Rates, RooflineRates, StepTime, step_time
 from zaya.plan.traffic import Traffic, step_traffic
 from zaya.train.run import ResolvedRun
@@ -61,6 +61,7 @@ class PhasePlan:
     seconds: float = 0.0  # all its steps, each at its batch size
     batch_tokens: int = 0  # tokens of one step at the full batch (what `time` is the time of)
     documents: DocumentPlan | None = None  # the packed documents it keeps apart (None: causal over whole rows)
+    decode_cache: int = 0  # bytes of one sequence's decode cache at `seq_len` (`memory.decode_cache_bytes`)
 
     @property
     def hours(self) -> float:
@@ -72,7 +73,8 @@ class PhasePlan:
                 "memory_per_gpu": self.memory.to_dict(), "fits": self.fits,
                 "comm_bytes_per_step": {k: int(v) for k, v in self.traffic.by_kind.items()},
                 "activations_by_checkpointing": self.activations_by_mode,
-                "documents": None if self.documents is None else self.documents.to_dict()}
+                "documents": None if self.documents is None else self.documents.to_dict(),
+                "decode_cache_per_sequence": self.decode_cache}
 
 
 @dataclass
@@ -88,6 +90,7 @@ class Plan:
     peak_flops: float
     bandwidths: dict[str, float] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # phases that cannot run on this layout, and why
+    sliding: dict | None = None  # {"blocks", "of", "window"}: the blocks that attend within a window; None: none
 
     @property
     def first(self) -> PhasePlan:
@@ -136,6 +139,7 @@ class Plan:
             "phases": [phase.to_dict() for phase in self.phases],
             "hours": self.hours,
             "problems": list(self.problems),
+            "sliding": self.sliding,
         }
 
 
@@ -207,18 +211,21 @@ def plan_phase(run: ResolvedRun, layout: Layout, seq_len: int, device: DeviceSpe
     layout = dataclasses.replace(layout, micro_batch_size=micro)
     micro_batches = math.ceil(per_rank / micro)
     isolated = documents is not None
+    # a split sequence's chunks per rank: head-tail's 2, contiguous's 1, or packed documents' own deal
+    chunks = 1 if parallel.cp_sharding != "headtail" else parallel.cp_document_chunks if isolated else 2
     memory = memory_per_gpu(model, layout, seq_len, run.precision, optim.ns_dtype, details,
-                            micro_batches=micro_batches, documents=isolated)
+                            micro_batches=micro_batches, documents=isolated, cp_chunks=chunks)
     tokens = micro * seq_len // layout.cp
     by_mode = {mode: activation_bytes(model, tokens, seq_len, layout.cp, run.precision, mode, details, layout.ep,
-                                      isolated)[0] for mode in MODES}
+                                      isolated, chunks)[0] for mode in MODES}
     traffic = step_traffic(model, layout, seq_len, run.precision, micro_batches, optim.ns_dtype, parallel.cp_kernel,
-                           parallel.cp_sharding)
+                           parallel.cp_sharding, chunks)
     time = step_time(model, layout, seq_len, run.precision, micro_batches, rates, traffic,
                      bandwidths_for(layout, device), optim.ns_dtype, optim.ns_steps, parallel.cp_kernel, details,
-                     documents)
+                     documents, chunks)
     return PhasePlan(name, seq_len, layout.cp, layout, 0, 0, micro_batches, memory, traffic, time, by_mode,
-                     memory.total <= device.memory_bytes, batch_tokens=global_batch * seq_len, documents=documents)
+                     memory.total <= device.memory_bytes, batch_tokens=global_batch * seq_len, documents=documents,
+                     decode_cache=decode_cache_bytes(model, seq_len, 1, run.precision))
 
 
 def schedule(run: ResolvedRun) -> list[list[tuple[int, int]]]:
@@ -325,6 +332,8 @@ def plan_run(run: ResolvedRun, device: DeviceSpec, table=None, gpus_per_node: in
     peak = device.peak_flops.get(run.precision, device.peak_flops["bf16"])
     if table is not None:
         peak = table.peak(run.precision)
+    sliding = {"blocks": model.sliding_blocks, "of": model.num_hidden_layers, "window": model.sliding_window} \
+        if model.sliding_blocks else None
     return Plan(run.source, device, run.precision, _parameter_report(model),
                 training_flops_per_token(model, phases[0].seq_len, _parameter_report(model)), phases, peak,
-                bandwidths_for(phases[0].layout, device), problems)
+                bandwidths_for(phases[0].layout, device), problems, sliding)

@@ -6,8 +6,10 @@ and the collectives it waits for.
                                                                               Newton-Schulz)
               + attention FLOPs / attention rate                             (causal: T (T + 1) / 2 pairs;
                                                                               packed documents of mean length
-                                                                              m kept apart: T (m + 1) / 2,
-                                                                              `zaya.plan.documents`)
+                                                                              m kept apart: T (m + 1) / 2;
+                                                                              a sliding block's band of tiles,
+                                                                              about T (W + t - 1); per block
+                                                                              type, `zaya.plan.documents`)
               + elementwise bytes / memory bandwidth
               + host                                    (see below)
     step      = compute + exposed communication
@@ -40,7 +42,8 @@ micro-batches that carry it (all of them under full sharding; under ZeRO-2 the g
 first micro-batch and the reduction with the last: one micro-batch's worth; ZeRO-1's gathering after the
 update is exposed whole), plus one block's all-gather
 before the first block and one reduce-scatter after the last; the ring
-kernel's KV transfers overlap the attention blocks, the all-gather kernel's do not; Muon's all-to-alls and
+kernel's KV transfers overlap the attention of the blocks whose keys they carry, the all-gather kernel's do
+not, nor does the halo of keys the sliding blocks exchange (`zaya.parallel.cp_window`); Muon's all-to-alls and
 the trainer's all-reduces are exposed. Bandwidth per mesh dimension: the scale-up links if every group of
 that dimension lies inside a node, the network (per GPU) otherwise.
 
@@ -61,7 +64,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from zaya.device import default_accelerator, launches_overlap_compute
-from zaya.model.config import ZayaConfig
+from zaya.model.config import LAYER_TYPES, ZayaConfig
+from zaya.model.flops import block_windows
 from zaya.parallel.fsdp import (
     CONTEXT_PARALLEL_BREAKS,
     SUBLAYERS_AROUND_EXPERTS,
@@ -71,7 +75,7 @@ from zaya.parallel.fsdp import (
 from zaya.plan.documents import DocumentPlan, attention_length, causal_pairs, document_pairs
 from zaya.plan.layout import Layout
 from zaya.plan.memory import GPU_DETAILS, DeviceDetails, activation_bytes, row_padding
-from zaya.plan.traffic import DIMENSIONS, Traffic
+from zaya.plan.traffic import DIMENSIONS, Traffic, window_halo
 from zaya.train.stats import HOST_READS_PER_STEP
 
 # ops whose output size or value the host must read back from the device
@@ -242,13 +246,15 @@ def loss_gemm_seconds(c: ZayaConfig, rates: Rates, tokens: int, precision: str, 
 
 
 def attention_seconds(c: ZayaConfig, rates: Rates, seq_len: int, sequences: int, cp: int, precision: str,
-                      passes: float, documents: DocumentPlan | None = None) -> float:
-    """Causal attention of `sequences` sequences (this rank's 1/cp of the pairs), forward and backward
-    (`passes` = 3: the backward costs two forwards; 4 with the forward recomputed); with `documents`, over
-    packed documents kept apart, at the rate of attention of one document's length."""
-    pairs = causal_pairs(seq_len) if documents is None else document_pairs(seq_len, documents.tokens)
+                      passes: float, documents: DocumentPlan | None = None, window: int | None = None) -> float:
+    """Causal attention of one block over `sequences` sequences (this rank's 1/cp of the pairs), forward and
+    backward (`passes` = 3: the backward costs two forwards; 4 with the forward recomputed); with `documents`,
+    over packed documents kept apart, at the rate of attention of one document's length; with `window`, a
+    sliding block's (its band's tiles, at the rate of attention of the window's length)."""
+    pairs = causal_pairs(seq_len, window) if documents is None else document_pairs(seq_len, documents.tokens,
+                                                                                    window)
     forward = 4.0 * c.num_attention_heads * c.head_dim * pairs * sequences / cp
-    rate = rates.attention_rate(attention_length(seq_len, documents), c.head_dim, c.num_attention_heads,
+    rate = rates.attention_rate(attention_length(seq_len, documents, window), c.head_dim, c.num_attention_heads,
                                 c.num_key_value_heads, dtype=precision)
     return forward * passes / rate
 
@@ -267,9 +273,11 @@ class OpCounts:
 
 
 @functools.lru_cache(maxsize=8)
-def _op_counts(key: str) -> OpCounts:
-    """`OpCounts` of a small model with the same options (`key`: its config as JSON): a one-block and a
-    two-block model's counts differ by one block."""
+def _op_counts(key: str) -> tuple[dict[str, tuple[int, int, int]], tuple[int, int, int]]:
+    """(per block type: its (operators, library calls, host reads), outside the blocks: the same) of a small
+    model with the same options (`key`: its config as JSON, `layer_types` the types it has, one of each): a
+    model of one block of each type and the models with one block more of each type differ by that block
+    (a block's type decides its attention, and the sliding blocks' own RoPE tables are formed outside)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -287,34 +295,49 @@ def _op_counts(key: str) -> OpCounts:
             self.syncs += reads_device(func, kwargs or {})
             return func(*args, **(kwargs or {}))
 
-    counts = []
-    for layers in (1, 2):
-        config = ZayaConfig(**{**json.loads(key), "num_hidden_layers": layers})
+    def count(types: list[str]) -> tuple[int, int, int]:
+        config = ZayaConfig(**{**fields, "num_hidden_layers": len(types),
+                               "layer_types": types if fields["layer_types"] is not None else None})
         torch.manual_seed(0)
         model = Zaya(config)
         ids = torch.randint(0, config.vocab_size, (1, 33), generator=torch.Generator().manual_seed(0))
-        with Count() as count:
+        with Count() as counted:
             model.loss(ids[:, :-1], ids[:, 1:]).backward()
-        counts.append((count.calls, count.lib_calls, count.syncs))
-    (one, lib_one, sync_one), (two, lib_two, sync_two) = counts
-    return OpCounts(float(two - one), float(2 * one - two), float(lib_two - lib_one), float(2 * lib_one - lib_two),
-                    float(sync_two - sync_one), float(2 * sync_one - sync_two))
+        return counted.calls, counted.lib_calls, counted.syncs
+
+    fields = json.loads(key)
+    base_types = fields["layer_types"] or ["hybrid"]
+    if "hybrid_sliding" in base_types:  # once before counting: a band's plan is made once per process
+        count(base_types)
+    base = count(base_types)
+    per_type = {kind: tuple(b - a for a, b in zip(base, count([*base_types, kind]), strict=True))
+                for kind in base_types}
+    outside = tuple(a - sum(counts[i] for counts in per_type.values()) for i, a in enumerate(base))
+    return per_type, outside
 
 
 _OP_COUNTS: dict[str, OpCounts] = {}
 
 
 def op_counts(config: ZayaConfig) -> OpCounts:
-    """The `OpCounts` of `_op_counts`, for a small model with `config`'s options (remembered by the config's
-    fields: a layout search asks for them tens of thousands of times)."""
+    """The `OpCounts` of `_op_counts`, for a small model with `config`'s options, per block the mean over the
+    config's blocks of their types' counts (remembered by the config's fields: a layout search asks for them
+    tens of thousands of times)."""
     key = repr(config)
     if key not in _OP_COUNTS:
+        types = [kind for kind in LAYER_TYPES if config.layer_types is not None and kind in config.layer_types]
         small = {**config.to_dict(), "vocab_size": 256, "hidden_size": 64, "num_attention_heads": 2,
                  "num_key_value_heads": 2, "head_dim": 16, "num_experts": 2, "moe_intermediate_size": 32,
-                 "router_hidden_size": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
+                 "router_hidden_size": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1,
+                 "layer_types": types or None, "num_hidden_layers": len(types) or 1}
         if len(_OP_COUNTS) >= 16:
             _OP_COUNTS.clear()
-        _OP_COUNTS[key] = _op_counts(json.dumps(small, sort_keys=True))
+        per_type, outside = _op_counts(json.dumps(small, sort_keys=True))
+        L = config.num_hidden_layers
+        mean = [sum(counts[i] * sum(config.layer_type(b) == kind for b in range(L)) for kind, counts in
+                    per_type.items()) / L for i in range(3)]
+        _OP_COUNTS[key] = OpCounts(float(mean[0]), float(outside[0]), float(mean[1]), float(outside[1]),
+                                   float(mean[2]), float(outside[2]))
     return _OP_COUNTS[key]
 
 
@@ -430,9 +453,10 @@ def _optimizer_work(params, rates: Rates, dtype: str) -> tuple[float, int, int]:
 def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro_batches: int, rates: Rates,
               traffic: Traffic, bandwidths: dict[str, float], ns_dtype: str = "bfloat16", ns_steps: int = 5,
               cp_kernel: str = "allgather", details: DeviceDetails = GPU_DETAILS,
-              documents: DocumentPlan | None = None) -> StepTime:
+              documents: DocumentPlan | None = None, cp_chunks: int = 2) -> StepTime:
     """The `StepTime` of one optimizer step of rank 0; `bandwidths` are bytes/s per mesh dimension; `documents`:
-    the packed documents a phase keeps apart (None: causal attention over whole rows)."""
+    the packed documents a phase keeps apart (None: causal attention over whole rows); `cp_chunks`: the chunks
+    per rank of a split sequence."""
     mode = layout.activation_checkpointing
     tokens = layout.micro_batch_size * seq_len // layout.cp
     ep = layout.ep
@@ -445,11 +469,14 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     loss = loss_gemm_seconds(c, rates, tokens, precision, details)
     time.gemm = micro_batches * (blocks + recomputed + loss)
     passes = 4 if mode == "full" else 3
-    time.attention = micro_batches * L * attention_seconds(c, rates, seq_len, layout.micro_batch_size, layout.cp,
-                                                           precision, passes, documents)
+    attention = {window: blocks * micro_batches * attention_seconds(
+        c, rates, seq_len, layout.micro_batch_size, layout.cp, precision, passes, documents, window)
+        for window, blocks in block_windows(c).items()}
+    time.attention = sum(attention.values())
     # a recomputed region repeats its forward's share (about a third) of its elementwise work
     recompute = {"none": 1.0, "moe": 1 + 0.5 / 3, "full": 1 + 1 / 3}[mode]
-    saved, _ = activation_bytes(c, tokens, seq_len, layout.cp, precision, "none", details, ep, documents is not None)
+    saved, _ = activation_bytes(c, tokens, seq_len, layout.cp, precision, "none", details, ep, documents is not None,
+                                cp_chunks)
     saved -= c.vocab_size * c.hidden_size * 4  # the loss's dW: written once, counted with the loss
     moved = ELEMENTWISE_PASSES * saved * recompute + LOSS_BYTES_PER_LOGIT * tokens * c.vocab_size
     # measured on the device: how much slower than the bytes say (`zaya.plan.calibrate`)
@@ -477,8 +504,13 @@ def step_time(c: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro
     # ZeRO-1 gathers after the update, with nothing to hide behind
     after_update = seconds.get("fsdp_all_gather", 0.0) if layout.sharding == "zero1" else 0.0
     exposed = max(0.0, fsdp - after_update - carrying) + after_update + edges if fsdp else 0.0
-    cp = sum(v for k, v in seconds.items() if k.startswith("cp_"))
-    exposed += cp if cp_kernel == "allgather" else max(0.0, cp - time.attention)
+    # the ring kernel's transfers hide behind the attention of the blocks whose keys travel whole; the sliding
+    # blocks' halo (`cp_window_*`) is exchanged before their attention, and waited for
+    cp = sum(v for k, v in seconds.items() if k.startswith("cp_") and not k.startswith("cp_window"))
+    halo = window_halo(c, seq_len, layout.cp, cp_chunks)
+    hiding = sum(t for window, t in attention.items() if window is None or halo is None)
+    exposed += cp if cp_kernel == "allgather" else max(0.0, cp - hiding)
+    exposed += sum(v for k, v in seconds.items() if k.startswith("cp_window"))
     exposed += sum(v for k, v in seconds.items() if k.startswith("muon_") or k in ("trainer", "replicated"))
     experts = seconds.get("experts", 0.0)  # hidden only where the staying rows' GEMMs run beside it
     hides = launches_overlap_compute(device_type)  # on a CPU the same cores copy and compute

@@ -13,7 +13,11 @@ all-reduce 2 S (N - 1) / N, an all-to-all the bytes addressed to others):
 - context parallelism (`zaya.parallel.context`, `cp_attention`), per micro-batch and layer: the halo (the
   last P packed vectors and one value-shift vector of each segment whose successor lives elsewhere, forward
   and backward) and the keys and values: (cp - 1) shards in forward, again in backward, and (cp - 1) shards
-  of their gradients home, in fp32; with full activation checkpointing the forward's share is sent twice;
+  of their gradients home, in fp32; with full activation checkpointing the forward's share is sent twice.
+  Sliding blocks whose window's reach, W - 1 keys, fits in the chunk before (`zaya.parallel.cp_window`) send
+  instead each chunk's last W - 1 keys and values to the rank of the next chunk, in forward (in the autocast
+  dtype), and their gradients back in backward (fp32), for the chunks whose neighbour lives elsewhere; a longer
+  window sends what a `hybrid` block does;
 - the routers' gradients (whole on every rank, `zaya.parallel.fsdp.replicated_parameters`), per step: one fp32
   all-reduce over every rank;
 - the trainer's own all-reduces: the gradient norm and the step's statistics;
@@ -38,6 +42,7 @@ from dataclasses import dataclass, field
 
 from zaya.model.config import ZayaConfig
 from zaya.parallel.context import SequenceLayout, _halo_plan
+from zaya.parallel.cp_window import halo_fits
 from zaya.parallel.fsdp import collectives_per_step, gathers_per_micro_batch, shard_dim
 from zaya.plan.inventory import inventory
 from zaya.plan.layout import Layout
@@ -48,8 +53,8 @@ INT64 = 8
 # group of the ranks holding the same experts, "ep" a group of ep consecutive ranks that exchange tokens
 DIMENSION = {"fsdp_all_gather": "dp_shard_cp", "fsdp_reduce_scatter": "dp_shard_cp",
              "fsdp_all_reduce": "dp_replicate", "muon_gather": "world", "muon_scatter": "world",
-             "cp_kv": "cp", "cp_dkv": "cp", "cp_halo": "cp", "trainer": "world", "replicated": "world",
-             "experts": "ep"}
+             "cp_kv": "cp", "cp_dkv": "cp", "cp_halo": "cp", "cp_window_kv": "cp", "cp_window_dkv": "cp",
+             "trainer": "world", "replicated": "world", "experts": "ep"}
 DIMENSIONS = ("dp_replicate", "dp_shard_cp", "edp", "ep", "cp", "world")
 
 
@@ -137,8 +142,33 @@ def muon_traffic(config: ZayaConfig, layout: Layout, ns_dtype: str, traffic: Tra
     traffic.add("muon_scatter", returned * ns_bytes / (n * r))
 
 
+@dataclass(frozen=True)
+class WindowHalo:
+    """How a sliding block's attention runs over a split sequence with the halo kernel
+    (`zaya.parallel.cp_window`): the window W, each rank's `chunks`, and the `sent` of them, on average over the
+    ranks, whose next chunk lives on another rank (each sends its last W - 1 keys and values there)."""
+
+    window: int
+    chunks: int
+    sent: float
+
+
+def window_halo(config: ZayaConfig, seq_len: int, cp: int, chunks: int = 2) -> WindowHalo | None:
+    """The `WindowHalo` of `config`'s sliding blocks over `cp` ranks of `chunks` chunks each (2: head-tail, 1:
+    contiguous, more: packed documents' chunks dealt out by work, `parallel.cp_document_chunks`); None where
+    they run the all-gather or ring kernel (no sliding blocks, cp = 1, or W - 1 keys past the chunk before)."""
+    W = config.sliding_window if config.sliding_blocks else None
+    if W is None or cp == 1 or not halo_fits(W, seq_len // (cp * chunks)):
+        return None
+    if chunks <= 2:
+        sent = _sent_tails(seq_len, cp, "headtail" if chunks == 2 else "contiguous")
+    else:  # dealt out by their work, a chunk's successor is elsewhere as often as a random rank is
+        sent = chunks * (cp - 1) / cp
+    return WindowHalo(W, chunks, sent)
+
+
 def cp_traffic(config: ZayaConfig, layout: Layout, seq_len: int, kernel: str, sharding: str, micro_batches: int,
-               traffic: Traffic) -> None:
+               traffic: Traffic, precision: str = "fp32", chunks: int | None = None) -> None:
     cp = layout.cp
     if cp == 1:
         return
@@ -151,11 +181,18 @@ def cp_traffic(config: ZayaConfig, layout: Layout, seq_len: int, kernel: str, sh
     forward_passes = 2 if layout.activation_checkpointing == "full" else 1
     layers = c.num_hidden_layers * micro_batches
     traffic.add("cp_halo", layers * halo * (forward_passes + 1))  # each forward, and backward's mirror
-    traffic.add("cp_kv", layers * (forward_passes + 1) * (cp - 1) * kv_shard)
+    window = window_halo(c, seq_len, cp, chunks or (2 if sharding == "headtail" else 1))
+    windowed = c.sliding_blocks * micro_batches if window is not None else 0
+    whole = layers - windowed  # the layers whose keys and values travel whole
+    traffic.add("cp_kv", whole * (forward_passes + 1) * (cp - 1) * kv_shard)
     if kernel == "allgather":
-        traffic.add("cp_dkv", layers * kv_shard * (cp - 1))  # an all-to-all of cp - 1 shards of gradients
+        traffic.add("cp_dkv", whole * kv_shard * (cp - 1))  # an all-to-all of cp - 1 shards of gradients
     else:
-        traffic.add("cp_dkv", layers * (cp - 1) * kv_shard)  # each partial gradient hops cp - 1 times
+        traffic.add("cp_dkv", whole * (cp - 1) * kv_shard)  # each partial gradient hops cp - 1 times
+    if windowed:
+        tails = window.sent * layout.micro_batch_size * (window.window - 1) * 2 * c.key_latent
+        traffic.add("cp_window_kv", windowed * forward_passes * tails * (2 if precision == "bf16" else FP32))
+        traffic.add("cp_window_dkv", windowed * tails * FP32)
 
 
 @functools.lru_cache(maxsize=256)
@@ -211,13 +248,15 @@ def _muon_bytes(inv, n: int, r: int, ep: int = 1) -> tuple[float, float]:
 
 
 def step_traffic(config: ZayaConfig, layout: Layout, seq_len: int, precision: str, micro_batches: int,
-                 ns_dtype: str = "bfloat16", cp_kernel: str = "allgather", cp_sharding: str = "headtail") -> Traffic:
-    """The bytes rank 0 sends in one optimizer step of `micro_batches` micro-batches per rank."""
+                 ns_dtype: str = "bfloat16", cp_kernel: str = "allgather", cp_sharding: str = "headtail",
+                 cp_chunks: int | None = None) -> Traffic:
+    """The bytes rank 0 sends in one optimizer step of `micro_batches` micro-batches per rank; `cp_chunks`: the
+    chunks per rank of a split sequence (None: those of `cp_sharding`)."""
     traffic = Traffic()
     fsdp_traffic(config, layout, precision, micro_batches, traffic)
     ep_traffic(config, layout, seq_len, precision, micro_batches, traffic)
     muon_traffic(config, layout, ns_dtype, traffic)
     replicated_traffic(config, layout, traffic)
-    cp_traffic(config, layout, seq_len, cp_kernel, cp_sharding, micro_batches, traffic)
+    cp_traffic(config, layout, seq_len, cp_kernel, cp_sharding, micro_batches, traffic, precision, cp_chunks)
     trainer_traffic(config, layout, traffic)
     return traffic
