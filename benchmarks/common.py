@@ -79,6 +79,62 @@ def time_it(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     return samples[len(samples) // 2]
 
 
+# ---- one case's peak memory and time, in a process of its own ---------------------------------------------
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def serve_large_allocations_by_mmap() -> bool:
+    """Have glibc serve every allocation of 1 MiB or more by its own mmap, so that a freed tensor leaves the
+    resident set and a peak is the memory live at once; False where the C library does not take it. Call it
+    first thing in a measuring process."""
+    import ctypes
+    import ctypes.util
+
+    libc_name = ctypes.util.find_library("c")
+    return libc_name is not None and bool(ctypes.CDLL(libc_name).mallopt(_M_MMAP_THRESHOLD, 1 << 20))
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the process's peak resident set to its current one (Linux 4.0+), so that a transient before the
+    measurement does not hide the measured peak; False where this kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_and_time(step: Callable[[], object], repeats: int) -> dict:
+    """`peak_bytes`: the resident set's peak over its value now, for one `step`; then `seconds`, the median of
+    `repeats` steps after a warm-up, with freed memory kept as training keeps it (`tune_host_allocator`)."""
+    from zaya.device import tune_host_allocator
+
+    reset = _reset_peak_rss()
+    base = _peak_rss()
+    step()
+    peak = _peak_rss() - base
+    tune_host_allocator()
+    return {"peak_bytes": peak, "seconds": time_it(step, repeats, warmup=1), "peak_reset": reset,
+            "threads": torch.get_num_threads()}
+
+
+def run_case_process(script: str | Path, spec: dict) -> dict:
+    """`script --case SPEC` in a fresh process: the JSON object its last line prints (one case's results)."""
+    command = [sys.executable, str(Path(script).resolve()), "--case", json.dumps(spec)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        sys.exit(f"case {spec} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def ratio_line(what: str, ours: float, peer: float, unit: str, higher_is_better: bool = True) -> str:
     ratio = ours / peer if higher_is_better else peer / ours
     return f"{what:<44} ours {ours:>12,.1f} {unit:<10} peer {peer:>12,.1f} {unit:<10} ratio {ratio:5.2f}x"

@@ -39,15 +39,10 @@ hour on 2 cores, most of it the 32k unmasked and dense-mask passes (about 100 s 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import datetime
 import json
 import math
 import os
-import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -57,7 +52,6 @@ SEPARATOR = 0
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 DTYPES = {"fp32": 4, "bf16": 2}  # bytes per element
 WARM_TOKENS = 512
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def document_row(length: int, mean: float, seed: int) -> np.ndarray:
@@ -81,23 +75,6 @@ def dense_mask_bytes(length: int, dtype: str) -> int:
 def _ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the process's peak resident set to its current one (Linux 4.0+), so that a transient before the
-    measurement does not hide the measured peak; False where this kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
-# ---- one case, in its own process -------------------------------------------------------------------------
 
 def _pass_fn(path: str, tokens: np.ndarray, dtype: str):
     """(one forward + backward, planning facts) for `path` over the row `tokens`, on fresh inputs."""
@@ -154,34 +131,23 @@ def _pass_fn(path: str, tokens: np.ndarray, dtype: str):
 
 def run_case(spec: dict) -> dict:
     """Measure one (path, T, mean) case in this process: peak memory of one pass, then the median time."""
+    from common import peak_and_time, serve_large_allocations_by_mmap
+
+    fixed = serve_large_allocations_by_mmap()
     import torch
 
-    from common import time_it
-    from zaya.device import tune_host_allocator
-
-    libc_name = ctypes.util.find_library("c")
-    fixed = libc_name is not None and bool(ctypes.CDLL(libc_name).mallopt(_M_MMAP_THRESHOLD, 1 << 20))
     torch.manual_seed(0)
     T, mean, dtype = spec["seq"], spec["mean"], spec["dtype"]
     warm, _ = _pass_fn(spec["path"], document_row(WARM_TOKENS, mean, spec["seed"]), dtype)
     warm()
     step, facts = _pass_fn(spec["path"], document_row(T, mean, spec["seed"]), dtype)
-    reset = _reset_peak_rss()
-    base = _peak_rss()
-    step()
-    peak = _peak_rss() - base
-    tune_host_allocator()
-    seconds = time_it(step, spec["repeats"], warmup=1)
-    return {**spec, **facts, "peak_bytes": peak, "seconds": seconds, "mmap_threshold_fixed": fixed, "peak_reset": reset,
-            "threads": torch.get_num_threads()}
+    return {**spec, **facts, **peak_and_time(step, spec["repeats"]), "mmap_threshold_fixed": fixed}
 
 
 def _child(spec: dict) -> dict:
-    command = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(spec)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-        sys.exit(f"case {spec} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    from common import run_case_process
+
+    return run_case_process(__file__, spec)
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
