@@ -147,7 +147,7 @@ def plain_model(config: Path, sets: list[str]):
     import transformers
 
     from zaya.config import load_config
-    from zaya.model.hf import native_config_json
+    from zaya.model.hf_config import native_config_json
 
     fields = native_config_json(load_config(config, _model_sets(sets)).model_config(), torch.float32)
     for key in ("architectures", "model_type", "zaya_stack", "dtype"):

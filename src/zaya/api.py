@@ -27,7 +27,8 @@ from zaya.errors import ZayaError
 from zaya.infer.hf_files import present_hf_files, write_hf_files
 from zaya.infer.loading import load_model
 from zaya.model.config import ZayaConfig
-from zaya.model.hf import native_config_json, save_hf_state
+from zaya.model.hf import save_hf_state
+from zaya.model.hf_config import native_config_json
 from zaya.model.presets import get_preset
 from zaya.model.safetensors_files import DEFAULT_MAX_SHARD_BYTES
 from zaya.model.transformer import Zaya

@@ -20,14 +20,8 @@ from zaya import checkpoint, reading
 from zaya.data.tokenizer import find_tokenizer
 from zaya.errors import ZayaError
 from zaya.model.config import ZayaConfig
-from zaya.model.hf import (
-    config_from_legacy,
-    config_from_native,
-    detect_layout,
-    load_hf_state,
-    read_config_json,
-    safetensors_files,
-)
+from zaya.model.hf import load_hf_state, safetensors_files
+from zaya.model.hf_config import config_from_legacy, config_from_native, detect_layout, read_config_json
 from zaya.model.transformer import Zaya
 from zaya.parallel.experts import ExpertViews
 from zaya.run_dir import CHECKPOINTS_DIR

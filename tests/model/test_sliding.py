@@ -21,7 +21,7 @@ from zaya.errors import ZayaError
 from zaya.infer.generate import generate
 from zaya.model.config import ZayaConfig
 from zaya.model.documents import packed_documents
-from zaya.model.hf import config_from_native
+from zaya.model.hf_config import config_from_native
 from zaya.model.masks import segment_work, window_segments
 
 EOS = 1
