@@ -126,6 +126,17 @@ def peak_and_time(step: Callable[[], object], repeats: int) -> dict:
             "threads": torch.get_num_threads()}
 
 
+def parse_or_run_case(parser: argparse.ArgumentParser, run_case: Callable[[dict], dict]) -> argparse.Namespace | None:
+    """The parsed arguments; None in a case's own process (`--case SPEC`, from `run_case_process`), which runs
+    `run_case(SPEC)` and prints its results as its last line."""
+    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case is None:
+        return args
+    print(json.dumps(run_case(json.loads(args.case))))
+    return None
+
+
 def run_case_process(script: str | Path, spec: dict) -> dict:
     """`script --case SPEC` in a fresh process: the JSON object its last line prints (one case's results)."""
     command = [sys.executable, str(Path(script).resolve()), "--case", json.dumps(spec)]

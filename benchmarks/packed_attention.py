@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import time
@@ -165,10 +164,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths")
     parser.add_argument("--quick", action="store_true", help="smoke run: --seq 2048 --mean 512 --repeats 1")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # a child process's one case
-    args = parser.parse_args()
-    if args.case is not None:
-        print(json.dumps(run_case(json.loads(args.case))))
+    from common import parse_or_run_case
+
+    args = parse_or_run_case(parser, run_case)
+    if args is None:
         return
     if args.quick:
         args.seq, args.mean, args.repeats = [2048], [512], 1

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
 import sys
 from pathlib import Path
@@ -207,10 +206,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: --seq 1024 2048 4096 --window 256 "
                                                              "--repeats 1")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # a child process's one case
-    args = parser.parse_args()
-    if args.case is not None:
-        print(json.dumps(run_case(json.loads(args.case))))
+    from common import parse_or_run_case
+
+    args = parse_or_run_case(parser, run_case)
+    if args is None:
         return
     if args.quick:
         args.seq, args.window, args.repeats = [1024, 2048, 4096], 256, 1

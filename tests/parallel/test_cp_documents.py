@@ -243,7 +243,10 @@ def test_the_model_with_documents_split_is_exact_and_equals_each_document_alone(
 
 # ---- compiled --------------------------------------------------------------------------------------------
 
-def _compiled_worker(rank: int, world: int) -> list[int]:
+def compiled_worker(rank: int, world: int, kernel: str = "ring", window: int | None = None,
+                    chunks_per_rank: int = 4) -> list[int]:
+    """The frames a compiled attention layer (of sliding `window`, if any) has compiled after each of four
+    micro-batches, each with other documents and its own split over the ranks."""
     from torch._dynamo.testing import CompileCounter
 
     from zaya.model.attention import CompressedConvAttention
@@ -251,18 +254,18 @@ def _compiled_worker(rank: int, world: int) -> list[int]:
 
     dist.init_process_group("gloo")
     config = zaya.get_preset("micro")
-    layer = CompressedConvAttention(config)
+    layer = CompressedConvAttention(config, window)
     rotary = RotaryEmbedding(config.head_dim, config.rotary_dim, 10_000.0)
     counter = CompileCounter()
     compiled = torch.compile(layer, backend=counter)
-    base = ContextParallel(SequenceLayout(T, world), dist.group.WORLD, "ring")
+    base = ContextParallel(SequenceLayout(T, world), dist.group.WORLD, kernel)
     frames = []
     generator = torch.Generator().manual_seed(0)
     for step in range(4):  # other documents, and another balanced layout, every micro-batch
         starts = sorted({0, *torch.randint(1, T, (3 + 2 * step,), generator=generator).tolist()})
         documents = DocumentLayout((tuple(starts), STARTS[step % 2]), T)
         positions = documents.positions()
-        split = base.for_documents(documents, positions, chunks_per_rank=4)
+        split = base.for_documents(documents, positions, chunks_per_rank=chunks_per_rank, window=window)
         x = torch.randn(2, T, config.hidden_size, generator=generator)
         local = split.shard(positions)
         out = compiled(split.shard(x), (*rotary(local), rotary.partner), sequence=split,
@@ -276,5 +279,5 @@ def _compiled_worker(rank: int, world: int) -> list[int]:
 def test_a_compiled_layer_takes_every_micro_batch_without_compiling_again():
     """Each micro-batch brings a new split (its documents, its balanced layout): the graphs around the exchanges
     are compiled once."""
-    for frames in run_distributed(_compiled_worker, 2, timeout=120):
+    for frames in run_distributed(compiled_worker, 2, timeout=120):
         assert frames[0] > 0 and frames[-1] == frames[0], frames

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from test_cp_documents import compiled_worker
 
 import zaya
 from modeling import perturb
@@ -268,38 +269,8 @@ def test_the_model_with_sliding_blocks_and_documents_split_over_four_ranks_equal
 
 # ---- compiled ------------------------------------------------------------------------------------------------
 
-def _compiled_worker(rank: int, world: int) -> list[int]:
-    from torch._dynamo.testing import CompileCounter
-
-    from zaya.model.attention import CompressedConvAttention
-    from zaya.model.layers import RotaryEmbedding
-
-    dist.init_process_group("gloo")
-    config = zaya.get_preset("micro")
-    layer = CompressedConvAttention(config, window=6)
-    rotary = RotaryEmbedding(config.head_dim, config.rotary_dim, 10_000.0)
-    counter = CompileCounter()
-    compiled = torch.compile(layer, backend=counter)
-    base = ContextParallel(SequenceLayout(T, world), dist.group.WORLD, "allgather")
-    frames = []
-    generator = torch.Generator().manual_seed(0)
-    for step in range(3):  # other documents, and another split, every micro-batch
-        starts = sorted({0, *torch.randint(1, T, (3 + 2 * step,), generator=generator).tolist()})
-        documents = DocumentLayout((tuple(starts), STARTS[step % 2]), T)
-        positions = documents.positions()
-        split = base.for_documents(documents, positions, window=6)
-        x = torch.randn(2, T, config.hidden_size, generator=generator)
-        local = split.shard(positions)
-        out = compiled(split.shard(x), (*rotary(local), rotary.partner), sequence=split,
-                       documents=Documents(local, None))
-        out.sum().backward()
-        frames.append(counter.frame_count)
-    dist.destroy_process_group()
-    return frames
-
-
 def test_a_compiled_sliding_layer_takes_every_micro_batch_without_compiling_again():
     """The halo kernel and its plan run eagerly inside the compiled layer: a new split each micro-batch compiles
     nothing new."""
-    for frames in run_distributed(_compiled_worker, 2, timeout=60):
+    for frames in run_distributed(compiled_worker, 2, "allgather", 6, 2, timeout=60):
         assert frames[0] > 0 and frames[-1] == frames[0], frames
