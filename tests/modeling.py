@@ -34,3 +34,23 @@ def legacy_config_json(config: ZayaConfig) -> dict:
         "residual_in_fp32": True, "scale_residual_merge": True, "clamp_temp": False, "bos_token_id": 2,
         "eos_token_id": 1, "pad_token_id": 0,
     }
+
+
+def dense_attention(q, k, v, grad_out, first, window):
+    """The reference the attention kernels are held to: softmax attention of q [B, Hq, T, d] over k, v
+    [B, Hk, T, d] with the [T, T] mask of `zaya.model.masks.allowed` (documents starting at `first` [B, T],
+    causal, within `window`), formed densely, and its backward of `grad_out`. Returns (output, [q, k, v] copies
+    holding their gradients)."""
+    import math
+
+    from zaya.model.masks import allowed
+
+    B, Hq, T, d = q.shape
+    Hk = k.shape[1]
+    mask = torch.stack([allowed(0, T, 0, T, first[b], window) for b in range(B)])[:, None, None]  # [B, 1, 1, T, T]
+    qkv = [x.clone().requires_grad_() for x in (q, k, v)]
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", qkv[0].view(B, Hk, Hq // Hk, T, d), qkv[1]) / math.sqrt(d)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", scores.masked_fill(~mask, -math.inf).softmax(-1), qkv[2])
+    out = out.reshape(B, Hq, T, d)
+    out.backward(grad_out)
+    return out, qkv

@@ -7,18 +7,16 @@ one more than a chunk (the halo is a whole chunk) and larger than one (the fallb
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
 from test_cp_documents import compiled_worker
 
 import zaya
-from modeling import perturb
+from modeling import dense_attention, perturb
 from ranks import run_distributed, summed_over_ranks
 from zaya.model.documents import Documents, document_positions, packed_documents
-from zaya.model.masks import DocumentLayout, allowed
+from zaya.model.masks import DocumentLayout
 from zaya.parallel.comm import CommCounter
 from zaya.parallel.context import ContextParallel, SequenceLayout
 from zaya.parallel.cp_attention import PairPlan
@@ -93,12 +91,7 @@ def _attention_worker(rank: int, world: int, cases: list[tuple]) -> dict:
         documents = DocumentLayout(rows, T)
         positions = documents.positions()
         first = torch.arange(T) - positions
-        mask = torch.stack([allowed(0, T, 0, T, first[b], window) for b in range(B)])[:, None, None]  # [B, 1, 1, T, T]
-        qkv = [x.clone().requires_grad_() for x in (q, k, v)]
-        scores = torch.einsum("bhgqd,bhkd->bhgqk", qkv[0].view(B, Hk, Hq // Hk, T, d), qkv[1]) / math.sqrt(d)
-        expected = torch.einsum("bhgqk,bhkd->bhgqd", scores.masked_fill(~mask, -math.inf).softmax(-1), qkv[2])
-        expected = expected.reshape(B, Hq, T, d)
-        expected.backward(grad_out)
+        expected, qkv = dense_attention(q, k, v, grad_out, first, window)
 
         counter = CommCounter()
         base = ContextParallel(SequenceLayout(T, world, sharding), dist.group.WORLD, kernel, counter)
