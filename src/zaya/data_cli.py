@@ -9,6 +9,7 @@
     zaya data build --format chat --input chats.jsonl --out data/sft     # {"messages": [...]} per line
     zaya data build --input corpus/ --out data/base --reserve-chat-markers   # chats later on the same tokenizer
     zaya data build --format chat --input chats.jsonl --out data/sft --tokenizer runs/base   # the run's tokenizer
+    zaya data tokenizer --input corpus/ --out tokenizer.json           # the BPE alone, for builds that share it
     zaya data inspect data/mine --verify
 
 Every input kind and its options: docs/data.md.
@@ -16,6 +17,7 @@ Every input kind and its options: docs/data.md.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -42,91 +44,113 @@ def data() -> None:
     """Build and inspect tokenized datasets."""
 
 
+def _corpus_options(command):
+    """The options that say what a build reads and how its tokenizer is trained: `data build`'s and
+    `data tokenizer`'s alike, so that the tokenizer trained alone is the one the build would train."""
+    options = [
+        click.option("--input", "-i", "inputs", multiple=True, metavar="PATH",
+                     help="A .txt, .jsonl, .json, .csv, .tsv, .parquet or .arrow file (the text formats also .gz or "
+                          ".zst), a directory of them, a saved Hugging Face dataset, or 'stdlib' (the Python "
+                          "standard library's source). Repeatable; further paths may follow as arguments."),
+        click.argument("more_inputs", nargs=-1, metavar="[PATH]..."),
+        click.option("--format", "data_format", type=click.Choice(FORMATS), default="text", show_default=True,
+                     help="'chat': each JSON record is a chat, {\"messages\": [{\"role\": ..., \"content\": ...}]}, "
+                          "rendered with a chat template; the model learns the assistant turns only."),
+        click.option("--chat-template", type=click.Path(path_type=Path), default=None, metavar="FILE",
+                     help="A Jinja chat template in transformers' convention [default: a ChatML-like one, "
+                          "<|im_start|>role ... <|im_end|>]; in a text build, the one --reserve-chat-markers reads."),
+        click.option("--reserve-chat-markers", is_flag=True,
+                     help="Text builds: the BPE keeps the chat template's markers as single special tokens, so "
+                          "that a chat build for fine-tuning can reuse this dataset's tokenizer (chat builds always "
+                          "do)."),
+        click.option("--special-token", "special_tokens", multiple=True, metavar="TOKEN",
+                     help="Keep TOKEN as one special token of the BPE (the text is cut at it). Repeatable."),
+        click.option("--vocab-size", type=int, default=None,
+                     help=f"Size of the BPE to train [default: {DEFAULT_VOCAB_SIZE}]."),
+        click.option("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, show_default=True,
+                     help="Share of documents held out for validation, chosen by a hash of their text."),
+        click.option("--include", multiple=True, metavar="PATTERN",
+                     help="Read only the files inside input directories that match this glob ('*.py', "
+                          "'src/**/*.md'; matched against the relative path and the name), as text unless of a "
+                          "known kind. Repeatable."),
+        click.option("--exclude", multiple=True, metavar="PATTERN",
+                     help="Skip the files and directories inside input directories that match this glob. "
+                          "Repeatable."),
+        click.option("--split", "dataset_split", default=None, metavar="NAME",
+                     help="The split of a saved Hugging Face DatasetDict to read [default: train]."),
+        click.option("--text-field", default="text", show_default=True,
+                     help="The text field of JSON records, the text column of tables and CSV files."),
+        click.option("--doc-separator", default=None,
+                     help="Split .txt files into documents at this string (default: one document per file)."),
+        click.option("--eos-token", default=EOS_TOKEN, show_default=True,
+                     help="The end-of-document token appended to each document."),
+        click.option("--strict", is_flag=True, help="Stop at the first bad record instead of skipping it."),
+        click.option("--bpe-sample-mb", type=click.IntRange(min=1), default=DEFAULT_TOKENIZER_SAMPLE_BYTES >> 20,
+                     show_default=True, help="Train the BPE on at most this much text, an even share of every file."),
+        click.option("--progress/--no-progress", default=None,
+                     help="Progress bars on stderr [default: when stderr is a terminal]."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _options(inputs, more_inputs, out, data_format, chat_template, reserve_chat_markers, special_tokens, vocab_size,
+             val_fraction, include, exclude, dataset_split, text_field, doc_separator, eos_token, strict, bpe_sample_mb,
+             progress, **rest) -> BuildOptions:
+    return BuildOptions(
+        inputs=(*inputs, *more_inputs), out=out, vocab_size=DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size,
+        val_fraction=val_fraction, text_field=text_field, doc_separator=doc_separator, include=include,
+        exclude=exclude, split=dataset_split, eos_token=eos_token, strict=strict,
+        tokenizer_sample_bytes=bpe_sample_mb << 20, progress=sys.stderr.isatty() if progress is None else progress,
+        format=data_format, chat_template=chat_template, reserve_chat_markers=reserve_chat_markers,
+        special_tokens=special_tokens, **rest)
+
+
 @data.command()
-@click.option("--input", "-i", "inputs", multiple=True, metavar="PATH",
-              help="A .txt, .jsonl, .json, .csv, .tsv, .parquet or .arrow file (the text formats also .gz or "
-                   ".zst), a directory of them, a saved Hugging Face dataset, or 'stdlib' (the Python standard "
-                   "library's source). Repeatable; further paths may follow as arguments.")
-@click.argument("more_inputs", nargs=-1, metavar="[PATH]...")
+@_corpus_options
 @click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="The dataset directory to write.")
-@click.option("--format", "data_format", type=click.Choice(FORMATS), default="text", show_default=True,
-              help="'chat': each JSON record is a chat, {\"messages\": [{\"role\": ..., \"content\": ...}]}, "
-                   "rendered with a chat template; the model learns the assistant turns only.")
-@click.option("--chat-template", type=click.Path(path_type=Path), default=None, metavar="FILE",
-              help="A Jinja chat template in transformers' convention [default: a ChatML-like one, "
-                   "<|im_start|>role ... <|im_end|>]; in a text build, the one --reserve-chat-markers reads.")
-@click.option("--reserve-chat-markers", is_flag=True,
-              help="Text builds: the BPE keeps the chat template's markers as single special tokens, so that a "
-                   "chat build for fine-tuning can reuse this dataset's tokenizer (chat builds always do).")
-@click.option("--special-token", "special_tokens", multiple=True, metavar="TOKEN",
-              help="Keep TOKEN as one special token of the BPE (the text is cut at it). Repeatable.")
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
-              help="Use this tokenizer instead of training a byte-level BPE: a tokenizer.json, or the one of a "
-                   "dataset, a checkpoint, a Hugging Face export or a run (its newest valid checkpoint's).")
-@click.option("--vocab-size", type=int, default=None,
-              help=f"Size of the BPE to train [default: {DEFAULT_VOCAB_SIZE}].")
-@click.option("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, show_default=True,
-              help="Share of documents held out for validation, chosen by a hash of their text.")
-@click.option("--include", multiple=True, metavar="PATTERN",
-              help="Read only the files inside input directories that match this glob ('*.py', 'src/**/*.md'; "
-                   "matched against the relative path and the name), as text unless of a known kind. "
-                   "Repeatable.")
-@click.option("--exclude", multiple=True, metavar="PATTERN",
-              help="Skip the files and directories inside input directories that match this glob. Repeatable.")
-@click.option("--split", "dataset_split", default=None, metavar="NAME",
-              help="The split of a saved Hugging Face DatasetDict to read [default: train].")
-@click.option("--text-field", default="text", show_default=True,
-              help="The text field of JSON records, the text column of tables and CSV files.")
-@click.option("--doc-separator", default=None,
-              help="Split .txt files into documents at this string (default: one document per file).")
-@click.option("--eos-token", default=EOS_TOKEN, show_default=True,
-              help="The end-of-document token appended to each document.")
-@click.option("--strict", is_flag=True, help="Stop at the first bad record instead of skipping it.")
-@click.option("--bpe-sample-mb", type=click.IntRange(min=1), default=DEFAULT_TOKENIZER_SAMPLE_BYTES >> 20,
-              show_default=True, help="Train the BPE on at most this much text, an even share of every file.")
+              help="Use this tokenizer instead of training a byte-level BPE: a tokenizer.json (`zaya data "
+                   "tokenizer` trains one alone), or the one of a dataset, a checkpoint, a Hugging Face export or a "
+                   "run (its newest valid checkpoint's).")
 @click.option("--workers", type=int, default=0, help="Tokenizer processes [default: one per CPU core].")
 @click.option("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, show_default=True,
               help="Tokens per super-shard file.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing dataset at --out.")
-@click.option("--progress/--no-progress", default=None,
-              help="Progress bars on stderr [default: when stderr is a terminal].")
-def build(inputs, more_inputs, out, data_format, chat_template, reserve_chat_markers, special_tokens, tokenizer,
-          vocab_size, val_fraction, include, exclude, dataset_split, text_field, doc_separator, eos_token, strict,
-          bpe_sample_mb, workers, shard_tokens, overwrite, progress) -> None:
+def build(tokenizer, workers, shard_tokens, overwrite, **corpus) -> None:
     """Tokenize text files into a dataset of token super-shards, a document index and a manifest."""
-    if tokenizer is not None and vocab_size is not None:
+    if tokenizer is not None and corpus["vocab_size"] is not None:
         raise ZayaError("give --tokenizer or --vocab-size, not both")
     if tokenizer is not None:
         from zaya.tokenizer_source import tokenizer_file  # a run directory's too: through zaya.weights
 
         tokenizer = tokenizer_file(tokenizer)
-    options = BuildOptions(
-        inputs=(*inputs, *more_inputs),
-        out=out,
-        tokenizer=tokenizer,
-        vocab_size=DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size,
-        val_fraction=val_fraction,
-        text_field=text_field,
-        doc_separator=doc_separator,
-        include=include,
-        exclude=exclude,
-        split=dataset_split,
-        eos_token=eos_token,
-        strict=strict,
-        tokenizer_sample_bytes=bpe_sample_mb << 20,
-        workers=workers,
-        shard_tokens=shard_tokens,
-        overwrite=overwrite,
-        progress=sys.stderr.isatty() if progress is None else progress,
-        format=data_format,
-        chat_template=chat_template,
-        reserve_chat_markers=reserve_chat_markers,
-        special_tokens=special_tokens,
-    )
+    options = _options(**corpus, tokenizer=tokenizer, workers=workers, shard_tokens=shard_tokens, overwrite=overwrite)
     # the files skipped as soon as the inputs are found; the bad records, their summary and the splits at the end
     report = build_dataset(options, warn=lambda line: click.echo(f"zaya: warning: {line}", err=True))
     click.echo(_format(open_dataset(report.path)))
     click.echo(f"built in {report.seconds:.1f}s")
+
+
+@data.command()
+@_corpus_options
+@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), metavar="FILE",
+              help="The tokenizer.json to write.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing file at --out.")
+def tokenizer(overwrite, **corpus) -> None:
+    """Train the BPE a build of these inputs would train, once, into a tokenizer.json: builds given it
+    (`--tokenizer`) write the datasets a build that trains its own does, so that the parts of a corpus built on
+    many machines share one tokenizer."""
+    from zaya.data.build import build_tokenizer
+    from zaya.owned import check_output, write_output
+
+    options = _options(**corpus)
+    check_output(options.out, overwrite)  # before the training, not after it
+    trained, data = build_tokenizer(options)
+    write_output(options.out, data, overwrite)
+    click.echo(f"tokenizer    {options.out}: vocab {trained.get_vocab_size(with_added_tokens=True)}, "
+               f"sha256 {hashlib.sha256(data).hexdigest()[:16]}")
 
 
 @data.command()

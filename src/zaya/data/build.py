@@ -218,6 +218,24 @@ def build_dataset(options: BuildOptions, warn: Callable[[str], None] | None = No
     return report
 
 
+def build_tokenizer(options: BuildOptions) -> tuple[Tokenizer, bytes]:
+    """The BPE a build of `options` would train (`options.out` unused), trained once and on its own, and its
+    tokenizer.json as a build stores it: a build given this file (`--tokenizer`) writes the dataset a build that
+    trains its own does, byte for byte, so that builds of parts of a corpus on many machines share one tokenizer.
+    The sample is each file's first train documents, up to its share of `tokenizer_sample_bytes`: the same
+    whatever the workers or the pieces."""
+    if options.tokenizer is not None:
+        raise ZayaError("a tokenizer is trained here, not given: leave out --tokenizer")
+    _check_options(options)
+    files = discover(options.inputs, Selection(options.include, options.exclude), options.split, SkippedFiles())
+    chat = _chat_format(options, files, None)
+    read = ReadOptions(options.text_field, options.doc_separator, chat)
+    markers = _reserved_tokens(options, chat, None)
+    tokenizer, data = _train_tokenizer(options, files, plan_pieces(files, read, 1), read, markers)
+    describe(tokenizer, data, "the trained tokenizer", options.eos_token, markers)  # its eos and markers are there
+    return tokenizer, data
+
+
 def _check_options(options: BuildOptions) -> None:
     if options.tokenizer is None:
         check_vocab_size(options.vocab_size)
