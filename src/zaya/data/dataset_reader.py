@@ -10,8 +10,10 @@ import re
 import stat
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
+from zaya.data.content import Stream
 from zaya.data.shards import (
     DTYPES,
     FORMAT,
@@ -112,7 +114,28 @@ class Dataset:
                 if actual != entry.sha256:
                     raise ZayaError(f"{self.path / entry.file}: checksum mismatch (the manifest says "
                                     f"{entry.sha256[:16]}..., the file has {actual[:16]}...)")
+        self._verify_content()
         return len(entries)
+
+    def _verify_content(self) -> None:
+        """The content each split records (what the fingerprint is taken over) is what its files hold."""
+        for name, split in self.manifest["splits"].items():
+            recorded = split.get("content")
+            if recorded is None:
+                continue
+            tokens = self.split(name)
+            found = {"tokens": Stream(), "documents": Stream().extend(np.diff(tokens.document_ends(), prepend=0))}
+            if "mask" in recorded:
+                found["mask"] = Stream()
+            for start in range(0, tokens.num_tokens, _VERIFY_CHUNK):
+                stop = min(tokens.num_tokens, start + _VERIFY_CHUNK)
+                found["tokens"] = found["tokens"].extend(tokens.read(start, stop))
+                if "mask" in found:
+                    found["mask"] = found["mask"].extend(tokens.read_mask(start, stop))
+            for key, stream in found.items():
+                if stream.text() != recorded[key]:
+                    raise ZayaError(f"{self.path / MANIFEST_FILE}: the {name} split's {key} do not hash to the "
+                                    "content the manifest records (its files were changed after it was written)")
 
     def summary(self) -> dict:
         """The manifest's key facts, for `zaya data inspect`."""
@@ -198,6 +221,7 @@ def read_manifest(path: Path) -> tuple[dict, dict[str, SplitEntry]]:
 
 
 _MAX_VOCAB = 1 << 32
+_VERIFY_CHUNK = 1 << 24  # tokens hashed at once by `verify`
 _MAX_SHARDS = 1 << 20
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -231,6 +255,9 @@ def _split_entry(split: Fields, name: str, itemsize: int, masked: bool) -> Split
     if documents.bytes != 8 * num_documents:
         raise ZayaError(f"{source}: field '{split.key('documents.bytes')}' is {documents.bytes}, but "
                         f"{num_documents} documents take {8 * num_documents}")
+    if "content" in split:
+        _check_content(split.obj("content"), {"tokens": num_tokens, "documents": num_documents,
+                                              **({"mask": num_tokens} if masked else {})})
     max_token_id = split.data.get("max_token_id")
     if max_token_id is not None:
         max_token_id = split.int("max_token_id", lo=0)
@@ -245,6 +272,23 @@ def _split_entry(split: Fields, name: str, itemsize: int, masked: bool) -> Split
         masks=tuple(masks) if masked else None,
         loss_tokens=split.int("loss_tokens", lo=0) if masked else None,
     )
+
+
+def _check_content(content: Fields, lengths: dict[str, int]) -> None:
+    """A split's content hashes (`zaya.data.content`): one per stream, each of the stream's length."""
+    extra = sorted(set(content.data) - set(lengths))
+    if extra:
+        raise ZayaError(f"{content.source}: field '{content.key(extra[0])}' is not a stream of this split")
+    for key, length in lengths.items():
+        text = content.str(key, max_len=64)
+        try:
+            stream = Stream.parse(text)
+        except ValueError:
+            raise ZayaError(f"{content.source}: field '{content.key(key)}' is not a content hash, got "
+                            f"{shown(text)}") from None
+        if stream.length != length:
+            raise ZayaError(f"{content.source}: field '{content.key(key)}' covers {stream.length} values, the split "
+                            f"holds {length}")
 
 
 def _file_entry(entry: Fields) -> FileEntry:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from zaya.data.content import Stream
 from zaya.data.dataset_reader import Dataset, read_manifest
 from zaya.data.shards import BUILD_FILE, DEFAULT_SHARD_TOKENS, DTYPES, FORMAT, MANIFEST_FILE, SPLITS, VERSION
 from zaya.data.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
@@ -167,6 +168,8 @@ class _SplitWriter:
         self._docs_name = f"{name}.docs.bin"
         self._docs = open(directory / self._docs_name, "wb")  # noqa: SIM115 - closed in close()
         self._docs_hash = hashlib.sha256()
+        # what the split holds, as hashes a merge of parts can join (`zaya.data.content`)
+        self._content = {"tokens": Stream(), "documents": Stream(), **({"mask": Stream()} if masked else {})}
 
     def write(self, tokens: np.ndarray, doc_lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
         if len(doc_lengths) == 0:
@@ -174,6 +177,10 @@ class _SplitWriter:
         if mask is not None:
             mask = mask.astype(np.uint8, copy=False)
             self.loss_tokens += int(np.count_nonzero(mask))
+        self._content["tokens"] = self._content["tokens"].extend(tokens)
+        self._content["documents"] = self._content["documents"].extend(doc_lengths)
+        if mask is not None:
+            self._content["mask"] = self._content["mask"].extend(mask)
         ends = (self.num_tokens + np.cumsum(doc_lengths, dtype=np.int64)).astype("<i8")
         self._docs.write(ends.tobytes())
         self._docs_hash.update(ends.tobytes())
@@ -231,6 +238,7 @@ class _SplitWriter:
             "shards": self.shards,
             "documents": {"file": self._docs_name, "bytes": self.num_documents * 8,
                           "sha256": self._docs_hash.hexdigest()},
+            "content": {key: stream.text() for key, stream in self._content.items()},
         }
         if self.masked:
             entry["loss_tokens"] = self.loss_tokens

@@ -24,7 +24,11 @@ manifest and fingerprint are what they were before chat datasets existed.
 
 The fingerprint is the SHA-256 of the manifest's canonical JSON. The manifest holds no paths, times or
 build options, so two builds of the same inputs have the same fingerprint wherever they are written, and a
-change to any token, mask byte or chat template changes a checksum and with it the fingerprint.
+change to any token, mask byte or chat template changes a checksum and with it the fingerprint. Each split also
+records its content, hashes of its token stream, document lengths and mask that parts of a build join
+(`content.py`); where it does, the fingerprint is taken over the content instead of the file listing, so that a
+dataset built in parts and merged (`merge.py`), whose shards are cut elsewhere, has the fingerprint of the same
+inputs built in one go. (Manifests written before the content was recorded keep their fingerprints.)
 
 `dataset_writer.py` writes a dataset; `dataset_reader.py` opens one and checks its manifest, and
 `split_tokens.py` reads a split's tokens.
@@ -66,7 +70,16 @@ def token_dtype(vocab_size: int) -> str:
 
 
 def fingerprint_of(manifest: dict) -> str:
-    """The dataset fingerprint: SHA-256 of the manifest's canonical JSON (sorted keys, no whitespace)."""
+    """The dataset fingerprint: SHA-256 of the manifest's canonical JSON (sorted keys, no whitespace). Where every
+    split records its content (`zaya.data.content`: datasets built since datasets could be built in parts), of
+    the manifest without its file listings and shard size, with the content in their place: the same for the same
+    token stream, documents and mask however they are cut into files, so that parts merged have a one-machine
+    build's fingerprint; a manifest without content keeps the fingerprint it always had."""
+    splits = manifest.get("splits")
+    if isinstance(splits, dict) and splits and all(isinstance(v, dict) and "content" in v for v in splits.values()):
+        manifest = {**{k: v for k, v in manifest.items() if k != "shard_tokens"},
+                    "splits": {name: {k: v for k, v in split.items() if k not in ("shards", "documents")}
+                               for name, split in splits.items()}}
     canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
