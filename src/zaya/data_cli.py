@@ -118,7 +118,12 @@ def _options(inputs, more_inputs, out, data_format, chat_template, reserve_chat_
 @click.option("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, show_default=True,
               help="Tokens per super-shard file.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing dataset at --out.")
-def build(tokenizer, workers, shard_tokens, overwrite, **corpus) -> None:
+@click.option("--part", default=None, metavar="I/N",
+              help="Build only part I of N (0-based) of the inputs, a dataset of its own that `zaya data merge` "
+                   "joins with the others; needs --tokenizer. 'slurm': the job array's task (SLURM_ARRAY_TASK_ID "
+                   "from SLURM_ARRAY_TASK_MIN, of SLURM_ARRAY_TASK_COUNT); 'kubernetes/N': an indexed job's "
+                   "JOB_COMPLETION_INDEX, of N.")
+def build(tokenizer, workers, shard_tokens, overwrite, part, **corpus) -> None:
     """Tokenize text files into a dataset of token super-shards, a document index and a manifest."""
     if tokenizer is not None and corpus["vocab_size"] is not None:
         raise ZayaError("give --tokenizer or --vocab-size, not both")
@@ -126,7 +131,8 @@ def build(tokenizer, workers, shard_tokens, overwrite, **corpus) -> None:
         from zaya.tokenizer_source import tokenizer_file  # a run directory's too: through zaya.weights
 
         tokenizer = tokenizer_file(tokenizer)
-    options = _options(**corpus, tokenizer=tokenizer, workers=workers, shard_tokens=shard_tokens, overwrite=overwrite)
+    options = _options(**corpus, tokenizer=tokenizer, workers=workers, shard_tokens=shard_tokens, overwrite=overwrite,
+                       part=None if part is None else _part(part))
     # the files skipped as soon as the inputs are found; the bad records, their summary and the splits at the end
     report = build_dataset(options, warn=lambda line: click.echo(f"zaya: warning: {line}", err=True))
     click.echo(_format(open_dataset(report.path)))
@@ -151,6 +157,52 @@ def tokenizer(overwrite, **corpus) -> None:
     write_output(options.out, data, overwrite)
     click.echo(f"tokenizer    {options.out}: vocab {trained.get_vocab_size(with_added_tokens=True)}, "
                f"sha256 {hashlib.sha256(data).hexdigest()[:16]}")
+
+
+def _part(text: str) -> tuple[int, int]:
+    """`--part`: I/N, or the task of a Slurm job array, or the index of a Kubernetes indexed job."""
+    import os
+
+    if text == "slurm":
+        names = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT")
+        values = [os.environ.get(name) for name in names]
+        if not all(v is not None and v.isdigit() for v in values):
+            raise ZayaError(f"--part slurm: {', '.join(names)} must be set (inside a job array), got {values}")
+        task, first, count = (int(v) for v in values)
+        return task - first, count
+    if text.startswith("kubernetes/"):
+        index, count = os.environ.get("JOB_COMPLETION_INDEX"), text.split("/", 1)[1]
+        if index is None or not index.isdigit() or not count.isdigit():
+            raise ZayaError(f"--part {text}: needs JOB_COMPLETION_INDEX set (an indexed job) and the number of "
+                            "parts after the slash")
+        return int(index), int(count)
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
+        raise ZayaError(f"--part {text}: expected I/N with 0 <= I < N (0-based), 'slurm' or 'kubernetes/N'")
+    return int(index), int(count)
+
+
+@data.command()
+@click.argument("parts", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="The dataset directory to write.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing dataset at --out.")
+@click.option("--onto", type=click.Path(path_type=Path), default=None, metavar="DATASET",
+              help="Grow this dataset by the parts (a new crawl dump built with its tokenizer): --out is a new "
+                   "version holding both, DATASET stays as it is.")
+def merge(parts, out, overwrite, onto) -> None:
+    """Join the parts of one build (`zaya data build --part I/N`) into one dataset, their token files
+    hard-linked, not copied."""
+    import time
+
+    from zaya.data.merge import merge_parts
+
+    started = time.perf_counter()
+    report = merge_parts(parts, out, overwrite, onto)
+    click.echo(_format(open_dataset(report.path)))
+    copied = f", {report.copied} shards copied (another file system)" if report.copied else ""
+    click.echo(f"merged {report.parts} parts in {time.perf_counter() - started:.1f}s: {report.tokens:,} tokens, "
+               f"{report.documents:,} documents, {report.bad_records} bad records, "
+               f"{report.shard_bytes / 1e6:.1f} MB of shards linked{copied}")
 
 
 @data.command()

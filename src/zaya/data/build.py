@@ -67,7 +67,15 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from zaya.data.build_tally import Tally, collect
-from zaya.data.build_units import group_units, piece_work, plan_pieces, run_order, target_bytes
+from zaya.data.build_units import (
+    group_units,
+    part_identity,
+    part_pieces,
+    piece_work,
+    plan_pieces,
+    run_order,
+    target_bytes,
+)
 from zaya.data.build_worker import Job, JobResult, encode_job, is_val
 from zaya.data.chat import DEFAULT_CHAT_TEMPLATE, ChatFormat, read_template
 from zaya.data.corpus import InputFile, Piece, ReadOptions, Selection, discover, location, stream_piece
@@ -128,6 +136,9 @@ class BuildOptions:
     # chats fine-tuned on later share it; `special_tokens` are kept whole in either
     reserve_chat_markers: bool = False
     special_tokens: tuple[str, ...] = ()
+    # (I, N): build only the I-th (0-based) of N parts of the inputs (`build_units.part_pieces`), a dataset of its
+    # own that `zaya data merge` joins with the others; it needs a given tokenizer, the same for every part
+    part: tuple[int, int] | None = None
 
 
 @dataclass
@@ -174,7 +185,7 @@ def build_dataset(options: BuildOptions, warn: Callable[[str], None] | None = No
     given = open_tokenizer(options.tokenizer) if options.tokenizer is not None else None
     chat = _chat_format(options, files, given[0] if given else None)
     read = ReadOptions(options.text_field, options.doc_separator, chat)
-    pieces = plan_pieces(files, read, workers)
+    pieces = plan_pieces(files, read, workers) if options.part is None else part_pieces(files, read, *options.part)
     with staged_directory(options.out, options.overwrite) as staging:
         markers = _reserved_tokens(options, chat, given[0] if given else None)
         tokenizer, tokenizer_json = given or _train_tokenizer(options, files, pieces, read, markers)
@@ -189,13 +200,16 @@ def build_dataset(options: BuildOptions, warn: Callable[[str], None] | None = No
             writer.abort()
             raise
         shutil.rmtree(spill)  # inside this build's own staging directory: only what its workers wrote
-        if tally.documents == 0:
+        if tally.documents == 0 and options.part is None:  # a part may be empty: its share of a small corpus
             writer.abort()
             why = f": {tally.reasons_text(options.text_field, chat is not None)}" if tally.bad_records else ""
             raise ZayaError(f"no documents in the inputs ({len(files)} files, {tally.text_bytes} bytes of text, "
                             f"{tally.bad_records} bad records{why})")
         template = None if chat is None else {"template": chat.template, "end_of_turn": chat.end_of_turn}
-        manifest = writer.finish(tokenizer_json, info.to_dict(), tally.corpus(), template)
+        corpus = tally.corpus()
+        if options.part is not None:
+            corpus["part"] = part_identity(options, files, info.sha256)
+        manifest = writer.finish(tokenizer_json, info.to_dict(), corpus, template)
         warnings += tally.summary(options.text_field, chat is not None) + split_warnings(manifest, options.val_fraction)
         report = BuildReport(
             path=Path(options.out),
@@ -237,6 +251,13 @@ def build_tokenizer(options: BuildOptions) -> tuple[Tokenizer, bytes]:
 
 
 def _check_options(options: BuildOptions) -> None:
+    if options.part is not None:
+        index, count = options.part
+        if not 0 <= index < count:
+            raise ZayaError(f"--part {index}/{count}: a part is I/N with 0 <= I < N (0-based)")
+        if options.tokenizer is None:
+            raise ZayaError("--part needs --tokenizer: the parts of one build must share one tokenizer (train it "
+                            "once with `zaya data tokenizer`)")
     if options.tokenizer is None:
         check_vocab_size(options.vocab_size)
     if not 0.0 <= options.val_fraction < 1.0:
