@@ -23,7 +23,7 @@ import numpy as np
 
 BASES = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)
 _MOD = 1 << 64
-_BLOCK = 1 << 20  # values hashed at once, against one table of powers of each base
+_BLOCK = 1 << 16  # values hashed at once, against one table of powers of each base (512 KiB)
 
 
 @dataclass(frozen=True)
