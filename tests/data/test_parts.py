@@ -251,3 +251,19 @@ def test_verify_checks_the_recorded_content_too(cli, corpus, tokenizer, tmp_path
     (copy / "manifest.json").write_text(json.dumps(manifest))
     code, _, err = cli("data", "inspect", copy, "--verify")
     assert code != 0 and "train split's tokens do not hash" in err and err.count("\n") == 1, err
+
+
+def test_two_parts_built_at_once_by_two_processes_merge(corpus, tokenizer, tmp_path):
+    import subprocess
+    import sys
+
+    runs = [subprocess.Popen([sys.executable, "-m", "zaya.cli", "data", "build", "-i", str(corpus / "corpus"),
+                              "--tokenizer", str(tokenizer), "--part", f"{i}/2", "--shard-tokens", SHARD_TOKENS,
+                              "--workers", "1", "-o", str(tmp_path / f"p{i}")], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE) for i in range(2)]
+    assert all(run.wait(timeout=120) == 0 for run in runs), [run.stderr.read() for run in runs]
+    from zaya.data.merge import merge_parts
+
+    report = merge_parts([tmp_path / "p1", tmp_path / "p0"], tmp_path / "merged")
+    assert report.fingerprint == open_dataset(corpus / "whole").fingerprint and report.copied == 0
+    assert _content(tmp_path / "merged") == _content(corpus / "whole")
