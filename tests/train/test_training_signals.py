@@ -85,3 +85,20 @@ def test_straggler_is_the_rank_whose_own_time_stands_out():
 def test_positions_become_ranges():
     assert as_ranges([5, 3, 4, 9, 10, 0]) == [[0, 1], [3, 6], [9, 11]]
     assert as_ranges([]) == []
+
+
+def test_a_processs_first_step_is_its_warm_up_not_a_straggler(tmp_path):
+    """The first step a process watches (after a start or a resume: the data's first reads, state built on first
+    use) is not judged for stragglers; the same host times on the next step are."""
+    from zaya.resilience.incidents import IncidentLog
+    from zaya.resilience.policy import Policy
+    from zaya.train.signals import TrainingSignals
+
+    said = []
+    signals = TrainingSignals(Policy(), IncidentLog(tmp_path / "incidents.jsonl"), attempt=0, is_main=True,
+                              say=said.append)
+    row = {"skipped": False, "loss": 2.0, "host_time": [0.007, 0.2], "expert_load": [[0.5, 0.5]]}
+    signals.watch(4, row)
+    assert not said
+    signals.watch(5, row)
+    assert len(said) == 1 and "step 5: rank 1 took 0.200 s of host time" in said[0]

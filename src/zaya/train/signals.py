@@ -32,6 +32,9 @@ class TrainingSignals:
         self._skipped_in_row = 0  # non-finite steps in a row
         self._pending_rollback: Finding | None = None  # a non-finite step the policy rolls back
         self._straggler: str | None = None  # the subject of the rank reported as straggling
+        # steps this process has watched: its first is its warm-up (the data's first reads, state built on first
+        # use, after a start or a resume), whose host time says nothing about a slow rank
+        self._watched = 0
 
     def record(self, finding: Finding, action: str, outcome: str, step: int, quiet: bool = False) -> None:
         """Record a decision (rank 0: every rank takes the same one) and say it in the log (unless `quiet`: said
@@ -92,7 +95,8 @@ class TrainingSignals:
         finding, self._pending_rollback = self._pending_rollback, None
         if finding is None and not row["skipped"]:
             finding = self.spikes.check(step, row["loss"])
-        slow = straggler(step, row["host_time"], self.policy.training)
+        slow = straggler(step, row["host_time"], self.policy.training) if self._watched else None
+        self._watched += 1
         if slow is not None and slow.subject != self._straggler:
             # once when a rank starts to straggle, not at every step it goes on straggling
             self.record(slow, self.policy.decide(slow).action, "reported", step)
