@@ -197,6 +197,8 @@ def test_a_dataset_grows_by_new_parts_into_a_new_version(cli, corpus, tokenizer,
           tmp_path / "other.json", "--part", "0/1")
     code, _, err = cli("data", "merge", tmp_path / "alien", "--onto", old, "-o", tmp_path / "v3")
     assert code != 0 and "tokenizer" in err and err.count("\n") == 1 and not (tmp_path / "v3").exists()
+    code, _, err = cli("data", "merge", *new, "--onto", tmp_path / "v2", "-o", tmp_path / "v2", "--overwrite")
+    assert code != 0 and "another directory" in err and err.count("\n") == 1
 
 
 def test_a_part_killed_midway_and_built_again_is_the_part(corpus, tokenizer, tmp_path):

@@ -65,6 +65,8 @@ def merge_parts(parts: Sequence[Path | str], out: Path | str, overwrite: bool = 
     docstring); any fault is one `ZayaError` and leaves nothing at `out`."""
     datasets = _checked_parts([Path(p) for p in parts])
     if onto is not None:
+        if Path(out).resolve() == Path(onto).resolve():
+            raise ZayaError(f"{out}: the merge grows {onto} into a new version: give --out another directory")
         base = open_dataset(onto)
         _check_same_kind(base, datasets[0])
         datasets = [base, *datasets]
