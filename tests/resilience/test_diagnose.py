@@ -479,6 +479,7 @@ RULE_SAMPLES = [
     ("cascade", "[E1201 10:00:00.000 ProcessGroupNCCL.cpp:1300] ProcessGroupNCCL's watchdog got stuck for 480 seconds"),
     ("cascade", "RuntimeError: NCCL communicator was aborted on rank 3."),
     ("cascade", "[Rank 0] Some NCCL operations have failed or timed out."),
+    ("cascade", "[rank0]: zaya.owned.Terminated: 143"),
     ("cascade", "[Rank 0] To avoid data inconsistency, we are taking the entire process down."),
     ("cascade", "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting"),
     ("cascade", "[Rank 1] Heartbeat monitor timed out! Process will be terminated after dumping debug info."),
@@ -542,6 +543,20 @@ def test_watchdog_lines_alone_are_listed_as_the_cascade_in_order():
     assert (diagnosis.root, diagnosis.line) == ("unknown", "")
     assert diagnosis.cascade == WATCHDOG.splitlines()
     assert diagnosis.cascade_total == len(WATCHDOG.splitlines())
+
+
+def test_a_worker_the_agent_terminated_is_a_cascade_not_a_python_error():
+    """torchrun's SIGTERM to the surviving ranks unwinds them with zaya's `Terminated` (exit 143): when its
+    traceback reaches the log, the root is still the rank that died first, not an uncaught exception."""
+    log = "\n".join([
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/x/zaya/cli.py", line 10, in main',
+        "[rank0]: zaya.owned.Terminated: 143",
+        "W1205 12:44:01 torch/distributed/elastic/multiprocessing/api.py:900] Sending process 4411 closing signal "
+        "SIGTERM",
+    ])
+    diagnosis = classify_text(log)
+    assert diagnosis.root == "unknown" and "[rank0]: zaya.owned.Terminated: 143" in diagnosis.cascade
 
 
 def test_cascade_is_capped_but_counted():

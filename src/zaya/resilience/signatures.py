@@ -453,6 +453,8 @@ _RULES: tuple[_Rule, ...] = (
     _R("cascade", "exitcode", r"^\s*exitcode\s*:\s*-?\d+ \(pid: \d+\)|failed \(exitcode: -?\d+\) local_rank: \d+"),
     _R("cascade", "signal", r"^\s*traceback\s*:\s*Signal \d+|Signal \d+ \(SIG[A-Z]+\) received"
        r"|Sending process \d+ closing signal SIG"),
+    # a worker ended by the agent's SIGTERM (zaya's own exception for it, `zaya.owned.Terminated`): a consequence
+    _R("cascade", "terminated", r"\bzaya\.owned\.Terminated\b"),
     # peers hanging up, TCPStore, gloo, rendezvous
     _R("cascade", "connection", r"Connection (?:reset|closed) by (?:remote )?peer|Connection refused"),
     _R("cascade", "pipe", r"Broken pipe\b"),
