@@ -36,6 +36,14 @@ def legacy_config_json(config: ZayaConfig) -> dict:
     }
 
 
+def random_attention_inputs(B: int, Hq: int, Hk: int, T: int, d: int, seed: int = 5):
+    """q [B, Hq, T, d], k and v [B, Hk, T, d] and an output gradient like q, drawn in that order from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, T, d, generator=generator)
+    k, v = (torch.randn(B, Hk, T, d, generator=generator) for _ in range(2))
+    return q, k, v, torch.randn(B, Hq, T, d, generator=generator)
+
+
 def dense_attention(q, k, v, grad_out, first, window):
     """The reference the attention kernels are held to: softmax attention of q [B, Hq, T, d] over k, v
     [B, Hk, T, d] with the [T, T] mask of `zaya.model.masks.allowed` (documents starting at `first` [B, T],

@@ -174,15 +174,19 @@ def _one_line(cli, args, *fragments) -> None:
 
 
 _NESTED_HYBRID = {"hybrid": ROPE["hybrid"]}
-BAD_CONFIG_JSON = [
-    ("type", {"layer_types": ["hybrid", "full_attention", "hybrid", "hybrid"]},
-     "layer_types[1] is 'full_attention': a block is 'hybrid' or 'hybrid_sliding'"),
+# a window that cannot be: the same line from config.json and from the TOML's [model]
+WINDOW_CASES = [
     ("no-window", {"sliding_window": None}, "field 'sliding_window' must be set when layer_types has"),
-    ("window-0", {"sliding_window": 0}, "field 'sliding_window' must be a positive integer"),
+    ("window-0", {"sliding_window": 0}, "must be a positive integer (the positions a sliding block sees), got 0"),
     ("window-negative", {"sliding_window": -3}, "must be a positive integer (the positions a sliding block sees), "
                                                 "got -3"),
     ("window-float", {"sliding_window": 6.5}, "field 'sliding_window' must be a positive integer"),
     ("window-string", {"sliding_window": "6"}, "field 'sliding_window' must be a positive integer"),
+]
+BAD_CONFIG_JSON = [
+    ("type", {"layer_types": ["hybrid", "full_attention", "hybrid", "hybrid"]},
+     "layer_types[1] is 'full_attention': a block is 'hybrid' or 'hybrid_sliding'"),
+    *WINDOW_CASES,
     ("length", {"layer_types": ["hybrid", "hybrid_sliding"]}, "'layer_types' has 2 entries for num_hidden_layers = 4"),
     ("no-sliding-rope", {"rope_parameters": _NESTED_HYBRID}, "rope_parameters has no 'hybrid_sliding' entry"),
     ("flat-rope", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
@@ -225,12 +229,7 @@ def test_a_stray_top_level_rope_type_is_ignored(cli, saved, tmp_path):
 BAD_MODEL_SECTION = [
     ("type", {"layer_types": ["hybrid", "sliding", "hybrid_sliding", "hybrid"]},
      "layer_types[1] is 'sliding': a block is 'hybrid' or 'hybrid_sliding'"),
-    ("no-window", {"sliding_window": None}, "field 'sliding_window' must be set when layer_types has"),
-    ("window-0", {"sliding_window": 0}, "must be a positive integer (the positions a sliding block sees), got 0"),
-    ("window-negative", {"sliding_window": -3}, "must be a positive integer (the positions a sliding block sees), "
-                                                "got -3"),
-    ("window-float", {"sliding_window": 6.5}, "field 'sliding_window' must be a positive integer"),
-    ("window-string", {"sliding_window": "6"}, "field 'sliding_window' must be a positive integer"),
+    *WINDOW_CASES,
 ]
 
 

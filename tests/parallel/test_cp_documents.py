@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import zaya
-from modeling import dense_attention, perturb
+from modeling import dense_attention, perturb, random_attention_inputs
 from ranks import run_distributed, summed_over_ranks
 from zaya.errors import ZayaError
 from zaya.model.documents import Documents, document_positions, packed_documents
@@ -64,11 +64,8 @@ def test_a_pair_of_chunks_that_shares_no_document_is_not_planned():
 def _attention_worker(rank: int, world: int) -> dict:
     dist.init_process_group("gloo")
     torch.set_default_dtype(torch.float64)
-    generator = torch.Generator().manual_seed(5)
     B, Hq, Hk, d = 2, 4, 2, 16
-    q = torch.randn(B, Hq, T, d, generator=generator)
-    k, v = (torch.randn(B, Hk, T, d, generator=generator) for _ in range(2))
-    grad_out = torch.randn(B, Hq, T, d, generator=generator)
+    q, k, v, grad_out = random_attention_inputs(B, Hq, Hk, T, d)
     cases = [(sharding, kernel, window, STARTS, 2) for sharding, kernel in LAYOUTS for window in (None, 20)]
     cases += [("headtail", "ring", None, (STARTS[1], STARTS[1]), 2),  # every row the same documents
               ("headtail", "allgather", 20, STARTS, 4), ("headtail", "ring", None, STARTS, 4)]  # balanced

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from test_cp_documents import compiled_worker
 
 import zaya
-from modeling import dense_attention, perturb
+from modeling import dense_attention, perturb, random_attention_inputs
 from ranks import run_distributed, summed_over_ranks
 from zaya.model.documents import Documents, document_positions, packed_documents
 from zaya.model.masks import DocumentLayout
@@ -80,11 +80,8 @@ def test_the_halo_plan_computes_the_windowed_pairs_of_the_chunk_plans(starts):
 def _attention_worker(rank: int, world: int, cases: list[tuple]) -> dict:
     dist.init_process_group("gloo")
     torch.set_default_dtype(torch.float64)
-    generator = torch.Generator().manual_seed(5)
     B, Hq, Hk, d = 2, 4, 2, 8
-    q = torch.randn(B, Hq, T, d, generator=generator)
-    k, v = (torch.randn(B, Hk, T, d, generator=generator) for _ in range(2))
-    grad_out = torch.randn(B, Hq, T, d, generator=generator)
+    q, k, v, grad_out = random_attention_inputs(B, Hq, Hk, T, d)
     results = {}
     for sharding, kernel, window, starts in cases:
         rows = starts or ((0,),) * B
