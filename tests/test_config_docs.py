@@ -69,7 +69,7 @@ def _expected_keys() -> set[str]:
 
     hints = typing.get_type_hints(RunConfig)
     for f in dataclasses.fields(RunConfig):
-        if f.name == "model" or f.name == "source":
+        if f.name in ("model", "source", "given"):  # not keys of a file: where it came from, what it gave
             continue
         if dataclasses.is_dataclass(hints[f.name]):
             walk(hints[f.name], f"{f.name}.")

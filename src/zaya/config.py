@@ -53,6 +53,9 @@ from zaya.train.run import ResolvedRun
 
 # keys that moved: a config that still uses one is told where it went
 MOVED_KEYS = {"train.collective_timeout_s": "parallel.timeout_s"}
+# what `parallel.layout = "auto"` chooses (and `phases.N.cp`), unless the config gives it (`RunConfig.given`)
+LAYOUT_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.ep", "parallel.sharding",
+               "train.micro_batch_size", "train.activation_checkpointing")
 
 
 @dataclass
@@ -68,6 +71,9 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     phases: list[Phase] = field(default_factory=list)
     source: str = "config"  # where it was read from, for messages
+    # the keys of LAYOUT_KEYS and `phases.N.cp` that the file or --set gave (a config made in code gives none):
+    # what `parallel.layout = "auto"` keeps
+    given: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
 
     def model_config(self) -> ZayaConfig:
         return self.model.build(self.source)
@@ -86,6 +92,7 @@ class RunConfig:
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         data.pop("source")
+        data.pop("given")
         return data
 
     def resolve(self, world_size: int, precision: str | None = None, auto_compile: bool = True) -> ResolvedRun:
@@ -141,8 +148,25 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     origin = Origin(str(path), sets)
     config = _build(RunConfig, raw, origin, "")
     config.source = str(path)
+    config.given = given_layout_keys(raw)
     _validate(config, origin)
     return config
+
+
+def given_layout_keys(raw: dict) -> frozenset[str]:
+    """The layout keys (`LAYOUT_KEYS`, `phases.N.cp`) a config's table, overrides applied, gives; `dp_shard = -1`
+    (every rank the others leave) constrains nothing and is not one."""
+    given = set()
+    for key in LAYOUT_KEYS:
+        section, name = key.split(".")
+        table = raw.get(section)
+        if isinstance(table, dict) and name in table and not (key == "parallel.dp_shard" and table[name] == -1):
+            given.add(key)
+    phases = raw.get("phases")
+    for index, phase in enumerate(phases if isinstance(phases, list) else []):
+        if isinstance(phase, dict) and phase.get("cp") not in (None, 0):
+            given.add(f"phases.{index}.cp")
+    return frozenset(given)
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
@@ -153,7 +177,7 @@ def _build(cls: type, data: Any, origin: Origin, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ZayaError(f"{origin.of(where)}: '{where}' must be a table, got {type_name(data)}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("source", "given")}
     for key in data:
         if f"{prefix}{key}" in MOVED_KEYS:
             raise ZayaError(f"{origin}: key '{prefix}{key}' moved to '{MOVED_KEYS[prefix + key]}'")
@@ -450,3 +474,14 @@ def _values(config: RunConfig, key: str) -> list[tuple[str, Any]]:
         else:
             found = [(f"{where}.{part}".lstrip("."), getattr(node, part)) for where, node in found]
     return found
+
+
+def config_from_record(record: dict, source: str) -> RunConfig:
+    """The run config a resolved record describes (`ResolvedRun.record`: a run's run_config.json, a checkpoint's
+    copy), checked as a loaded file is; `source` names it in messages. A record holds every key, `train.precision`
+    and `train.compile` decided, so that it resolves to the run that wrote it."""
+    origin = Origin(source)
+    config = _build(RunConfig, record, origin, "")
+    config.source = source
+    _validate(config, origin)
+    return config

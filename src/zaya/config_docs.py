@@ -33,7 +33,7 @@ from zaya.model.config import FLOAT_RANGES, SIZE_LIMITS, ZayaConfig
 from zaya.model.presets import PRESETS, ModelSection, get_preset
 from zaya.optim.config import ADJUST_LR_FNS, NS_BACKENDS, NS_DTYPE_NAMES
 from zaya.optim.schedule import DECAY_SHAPES, SCHEDULES
-from zaya.parallel.config import ACTIVATION_CHECKPOINTING, BACKENDS, CP_KERNELS, CP_SHARDINGS, SHARDINGS
+from zaya.parallel.config import ACTIVATION_CHECKPOINTING, BACKENDS, CP_KERNELS, CP_SHARDINGS, LAYOUTS, SHARDINGS
 from zaya.train.config import PRECISIONS, WANDB_MODES
 
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -57,6 +57,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "parallel.cp_kernel": CP_KERNELS,
     "parallel.cp_sharding": CP_SHARDINGS,
     "parallel.sharding": SHARDINGS,
+    "parallel.layout": LAYOUTS,
 }
 
 _PRAGMAS = ("noqa", "type:", "fmt:", "pragma")

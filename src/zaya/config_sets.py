@@ -115,7 +115,8 @@ def _check_override_key(key: str, item: str, root: type, moved: dict[str, str]) 
             names = {"preset": str, **{f.name: typing.Any for f in dataclasses.fields(ZayaConfig)}}
         elif dataclasses.is_dataclass(hint):
             hints = typing.get_type_hints(hint)
-            names = {f.name: hints[f.name] for f in dataclasses.fields(hint) if f.name != "source"}
+            names = {f.name: hints[f.name] for f in dataclasses.fields(hint)
+                     if f.name not in ("source", "given")}
         else:
             return  # inside a free-form table
         where = ".".join(parts[: i + 1])

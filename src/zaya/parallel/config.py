@@ -23,12 +23,19 @@ CP_SHARDINGS = ("headtail", "contiguous")
 # once; "zero1" (ZAYA1's): kept whole across steps and gathered again once after each update
 # (`zaya.parallel.fsdp`)
 SHARDINGS = ("full", "zero2", "zero1")
+# "config": the layout the keys say; "auto": the planner's fastest layout that fits the job as launched (its world
+# size, devices per node and device), the keys the config gives kept as they are (`zaya.plan.auto`)
+LAYOUTS = ("config", "auto")
 
 
 @dataclass
 class ParallelConfig:
     """`[parallel]`: the mesh, the collective library and the timeouts."""
 
+    # "auto": at start-up the planner picks dp_replicate, dp_shard, cp (per phase), ep, sharding,
+    # train.micro_batch_size and train.activation_checkpointing for the job's ranks and device, keeping those the
+    # config file or --set gives; a resume on as many ranks keeps the layout chosen (docs/planning.md)
+    layout: str = "config"
     dp_replicate: int = 1  # HSDP replicas, each a full copy of the sharded state (usually one per node)
     dp_shard: int = -1  # -1: every rank the other dimensions leave
     cp: int = 1  # context-parallel ranks that split each sequence
@@ -56,7 +63,8 @@ class ParallelConfig:
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise ZayaError(f"{source}: key 'parallel.dp_shard' must be at least 1, or -1 for every rank the "
                             f"other dimensions leave, got {self.dp_shard}")
-        for key, allowed in (("cp_kernel", CP_KERNELS), ("cp_sharding", CP_SHARDINGS), ("sharding", SHARDINGS)):
+        for key, allowed in (("cp_kernel", CP_KERNELS), ("cp_sharding", CP_SHARDINGS), ("sharding", SHARDINGS),
+                             ("layout", LAYOUTS)):
             if getattr(self, key) not in allowed:
                 raise ZayaError(f"{source}: key 'parallel.{key}' must be one of {', '.join(allowed)}, "
                                 f"got {getattr(self, key)!r}")
