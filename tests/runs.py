@@ -61,6 +61,13 @@ def build_chat_dataset(root: Path, count: int = 300, val_fraction: float = 0.1, 
     return out
 
 
+# the layout configs/zaya1-base.toml named by hand before it chose its layout at launch (`parallel.layout =
+# "auto"`): FSDP2 over every GPU with ZeRO-2, one sequence per micro-batch, cp 8 for the long-context and SFT
+# phases; for the tests of the planner's figures of one fixed layout
+ZAYA1_BASE_HAND = ('parallel.layout="config"', 'parallel.sharding="zero2"', "train.micro_batch_size=1", "phases.2.cp=8",
+                   "phases.3.cp=8")
+
+
 def write_config(path: Path, dataset: Path, **sections) -> Path:
     """A micro-model run config; `sections` replace or add keys, e.g. train={"max_steps": 4}."""
     base = {

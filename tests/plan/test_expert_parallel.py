@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from runs import ZAYA1_BASE_HAND
 from zaya.cli import main
 from zaya.config import load_config
 from zaya.plan.devices import get_device
@@ -26,7 +27,7 @@ BASE = Path(__file__).resolve().parents[2] / "configs" / "zaya1-base.toml"
 def _pretraining(*sets: str):
     """ZAYA1-base's run without its SFT phase, whose rows of 131k tokens (16k per GPU) need activation
     checkpointing on an 80 GB H100 at any ep: the facts below are the pre-training's."""
-    config = load_config(BASE, list(sets))
+    config = load_config(BASE, [*ZAYA1_BASE_HAND, *sets])
     config.phases = [phase for phase in config.phases if phase.name != "sft"]
     return config
 
@@ -195,7 +196,7 @@ def test_an_ep_that_splits_not_the_experts_or_the_mesh_is_refused_in_one_line(ca
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert captured.out == "" and len(lines) == 1 and message in lines[0], captured.err
-    run = load_config(BASE).resolve(64)
+    run = load_config(BASE, ZAYA1_BASE_HAND).resolve(64)
     candidate = evaluate(run, Layout(64, 8, 1, 64, 1, 1, "none", compiled=False, ep=ep), get_device("h100"))
     assert candidate.plan is None and message in candidate.reason
 

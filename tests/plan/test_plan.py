@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from runs import ZAYA1_BASE_HAND
 from zaya.cli import main
 from zaya.config import load_config
 from zaya.model.flops import training_flops_per_token
@@ -41,7 +42,8 @@ def test_counts_are_those_of_zaya_params_and_the_flops_convention(preset):
 
 
 def test_zaya1_base_fits_on_1024_mi300x_with_fsdp_alone(capsys):
-    plan = _plan_json(capsys, str(BASE), "--gpus", "1024", "--gpus-per-node", "8", "--device", "mi300x")
+    hand = [item for setting in ZAYA1_BASE_HAND for item in ("--set", setting)]
+    plan = _plan_json(capsys, str(BASE), "--gpus", "1024", "--gpus-per-node", "8", "--device", "mi300x", *hand)
     assert plan["fits"] and not plan["problems"]
     assert plan["memory_per_gpu"]["total"] < 192e9
     # no expert or tensor parallelism: every parameter is in the FSDP shards, the experts whole
@@ -66,7 +68,9 @@ def test_one_h100_does_not_fit_and_the_smallest_layout_that_does_is_named(capsys
     assert smallest["gpus"] > 1 and smallest["layout"]["gpus"] == smallest["gpus"]
     # and that layout does fit when planned on its own
     layout = Layout(**smallest["layout"])
-    assert plan_run(load_config(BASE).resolve(layout.gpus), get_device("h100"), layout=layout).fits
+    assert plan_run(load_config(BASE).resolve(layout.gpus), get_device("h100"), layout=layout,
+                    phase_cp=tuple(smallest["phase_cp"])).fits
+    assert plan_run(load_config(BASE, smallest["settings"]).resolve(layout.gpus), get_device("h100")).fits
     text_code = main(["plan", str(BASE), "--gpus", "1", "--device", "h100"])
     out = capsys.readouterr().out
     assert text_code == 0 and "does NOT fit" in out and "smallest layout that fits" in out
@@ -97,7 +101,10 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
 def test_search_ranks_fitting_layouts_and_gives_reasons_for_the_rest():
     run = load_config(BASE).resolve(64)
     ranked = search_layouts(run, 8, get_device("h100"))
-    assert len(ranked) == len(layouts(run, 8))
+    # one candidate per layout but cp: each phase takes its fastest cp that fits
+    bases = {(layout.dp_replicate, layout.ep, layout.micro_batch_size, layout.activation_checkpointing,
+              layout.sharding) for layout in layouts(run, 8)}
+    assert len(ranked) == len(bases)
     fitting = [c for c in ranked if not c.reason]
     rejected = [c for c in ranked if c.reason]
     assert fitting and rejected

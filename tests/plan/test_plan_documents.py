@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ranks import run_distributed
+from runs import ZAYA1_BASE_HAND
 from zaya.config import load_config
 from zaya.data.config import Source
 from zaya.errors import ZayaError
@@ -160,7 +161,7 @@ def test_zaya1_base_plans_its_sft_phase_at_131k_with_the_work_of_its_documents()
     device = get_device("mi300x")
 
     def sft(*sets: str):
-        plan = plan_run(load_config(BASE, list(sets)).resolve(1024), device, gpus_per_node=8)
+        plan = plan_run(load_config(BASE, [*ZAYA1_BASE_HAND, *sets]).resolve(1024), device, gpus_per_node=8)
         return plan.phases[-1]
 
     phase = sft()

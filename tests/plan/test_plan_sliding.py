@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from runs import ZAYA1_BASE_HAND
 from zaya.cli import main
 from zaya.config import load_config
 from zaya.model.config import ZayaConfig
@@ -115,7 +116,8 @@ def test_a_window_as_long_as_every_row_plans_as_all_hybrid():
 
 def test_a_shorter_window_plans_less_attention_and_decode_cache_but_no_less_training_memory():
     T, W = 32768, 4096
-    base = [f"data.seq_len={T}", "model.max_position_embeddings=32768", "parallel.cp=8", "phases=[]"]
+    base = [*ZAYA1_BASE_HAND, f"data.seq_len={T}", "model.max_position_embeddings=32768", "parallel.cp=8",
+            "phases=[]"]
     blocks = get_preset("zaya1-base").num_hidden_layers
     sliding = [f"model.layer_types={_types(['hybrid_sliding'] * 3 + ['hybrid'], blocks)}",
                f"model.sliding_window={W}"]
@@ -272,8 +274,8 @@ def test_zaya_plan_takes_a_run_config_whose_model_sets_sliding_blocks(capsys, tm
 
 def test_the_search_ranks_the_layouts_of_a_sliding_model_by_its_cheaper_attention():
     blocks = get_preset("zaya1-base").num_hidden_layers
-    base = ["data.seq_len=32768", "model.max_position_embeddings=32768", "phases=[]", "train.global_batch_size=4",
-            "data.ramp_start=0"]
+    base = [*ZAYA1_BASE_HAND, "data.seq_len=32768", "model.max_position_embeddings=32768", "phases=[]",
+            "train.global_batch_size=4", "data.ramp_start=0"]
     sliding = [f"model.layer_types={_types(['hybrid_sliding'] * 3 + ['hybrid'], blocks)}", "model.sliding_window=4096"]
     best = {}
     for name, sets in (("hybrid", base), ("sliding", [*base, *sliding])):

@@ -29,10 +29,13 @@ def matmul_params_per_token(config: ZayaConfig, report: ParameterReport | None =
 def block_windows(config: ZayaConfig) -> dict[int | None, int]:
     """How many blocks attend through each window: {None: the `hybrid` blocks, W: the sliding ones}, the
     blocks that attend alike counted together (their attention costs the same)."""
+    # counted, not walked block by block: the planner asks this for every layout it weighs
+    sliding = config.sliding_blocks
     counts: dict[int | None, int] = {}
-    for block in range(config.num_hidden_layers):
-        window = config.window(block)
-        counts[window] = counts.get(window, 0) + 1
+    if sliding < config.num_hidden_layers:
+        counts[None] = config.num_hidden_layers - sliding
+    if sliding:
+        counts[config.sliding_window] = sliding
     return counts
 
 

@@ -57,6 +57,11 @@ class DeviceSpec:
     gemm_efficiency: float  # fraction of the bf16 peak large, well-shaped GEMMs reach in practice
     sources: tuple[str, ...]
     host: bool = False  # a CPU: each rank is a process, and its memory is the host's
+    # what a run measured against the plan (`zaya.plan.calibration`): the predicted compute time and memory are
+    # multiplied by these; 1.0 and "" where the device is not calibrated
+    compute_factor: float = 1.0
+    memory_factor: float = 1.0
+    calibrated_from: str = ""  # the run directory the factors were measured in
 
     @property
     def unit(self) -> str:
@@ -287,8 +292,8 @@ def _read_peak(path: Path) -> dict | None:
 
 
 def describe_devices(cache: Path) -> str:
-    """The device table as text (for `zaya plan --devices`); `cache` is where `zaya shapes` keeps this machine's
-    tables (`zaya.plan.table.cache_dir`)."""
+    """The device table as text (for `zaya plan --devices`, which adds the calibrations found); `cache` is where
+    `zaya shapes` keeps this machine's tables (`zaya.plan.table.cache_dir`)."""
     header = (f"{'name':<8} {'label':<34} {'bf16 TFLOP/s':>12} {'memory GB':>9} {'HBM TB/s':>8} "
               f"{'intra GB/s':>10} {'inter GB/s':>10} {'GPUs/node':>9} {'GEMM eff':>8}")
     lines = [header]

@@ -131,12 +131,31 @@ class Inventory:
 
 
 _INVENTORIES: dict[str, Inventory] = {}
+_KEYS: dict[int, tuple[ZayaConfig, str]] = {}
+
+
+def config_key(config: ZayaConfig) -> str:
+    """`repr(config)`, the key of the caches of what a config implies, remembered for the object itself until
+    `forget_keys` (a layout search asks for it hundreds of thousands of times, and writing out every field of the
+    config each time was a sixth of the search)."""
+    entry = _KEYS.get(id(config))
+    if entry is None or entry[0] is not config:
+        if len(_KEYS) >= 64:
+            _KEYS.clear()
+        entry = _KEYS[id(config)] = (config, repr(config))
+    return entry[1]
+
+
+def forget_keys() -> None:
+    """Derive every config's key afresh from its fields: each plan starts so (`zaya.plan.planner.Planner`), in
+    case a config object changed since the last."""
+    _KEYS.clear()
 
 
 def inventory(config: ZayaConfig) -> Inventory:
     """The `Inventory` of a model of `config` (cached by the config's fields: a layout search asks for it tens
     of thousands of times)."""
-    key = repr(config)
+    key = config_key(config)
     if key not in _INVENTORIES:
         if len(_INVENTORIES) >= 16:
             _INVENTORIES.clear()

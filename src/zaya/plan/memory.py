@@ -142,6 +142,13 @@ class Memory:
         return self.parameters + self.gradients + self.optimizer_state + self.master_weights + \
             max(working, self.optimizer_workspace)
 
+    def scaled(self, factor: float) -> Memory:
+        """Every part times `factor` (a calibration, `zaya.plan.calibration`: what the run measured over what was
+        predicted), in whole bytes."""
+        return Memory(*(round(part * factor) for part in (
+            self.parameters, self.gradients, self.optimizer_state, self.master_weights, self.activations,
+            self.transient, self.communication_buffers, self.optimizer_workspace)))
+
     def to_dict(self) -> dict[str, int]:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer_state": self.optimizer_state,
                 "master_weights": self.master_weights, "activations": self.activations, "transient": self.transient,

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ from zaya.model.params import ParameterReport, parameter_report
 from zaya.parallel.config import sequence_split_problem
 from zaya.plan.devices import DeviceSpec
 from zaya.plan.documents import DocumentPlan, phase_documents
+from zaya.plan.inventory import config_key, forget_keys
 from zaya.plan.layout import Layout, check_batch, expert_parallel_problem
 from zaya.plan.memory import MODES, DeviceDetails, Memory, activation_bytes, decode_cache_bytes, memory_per_gpu
 from zaya.plan.timing import Rates, RooflineRates, StepTime, step_time
@@ -56,7 +58,7 @@ class PhasePlan:
     memory: Memory
     traffic: Traffic
     time: StepTime
-    activations_by_mode: dict[str, int]
+    mode_activations: Callable[[], dict[str, int]]  # `activations_by_mode`, worked out when asked
     fits: bool
     seconds: float = 0.0  # all its steps, each at its batch size
     batch_tokens: int = 0  # tokens of one step at the full batch (what `time` is the time of)
@@ -66,6 +68,11 @@ class PhasePlan:
     @property
     def hours(self) -> float:
         return self.seconds / 3600
+
+    @functools.cached_property
+    def activations_by_mode(self) -> dict[str, int]:
+        """Activation bytes per checkpointing mode (`zaya.plan.memory.MODES`)."""
+        return self.mode_activations()
 
     def to_dict(self) -> dict:
         return {"name": self.name, "seq_len": self.seq_len, "cp": self.cp, "steps": self.steps, "tokens": self.tokens,
@@ -149,7 +156,7 @@ _REPORTS: dict[str, ParameterReport] = {}
 def _parameter_report(config: ZayaConfig) -> ParameterReport:
     """The report of `config`, remembered by its fields (`repr`, cheaper than the JSON a layout search would
     otherwise write twice per layout)."""
-    key = repr(config)
+    key = config_key(config)
     if key not in _REPORTS:
         if len(_REPORTS) >= 16:
             _REPORTS.clear()
@@ -203,29 +210,63 @@ def plan_phase(run: ResolvedRun, layout: Layout, seq_len: int, device: DeviceSpe
                documents: DocumentPlan | None = None) -> PhasePlan:
     """The `PhasePlan` of one step of `global_batch` sequences (default: the full batch) of `seq_len` tokens
     under `layout`; `documents`: the packed documents the phase keeps apart, if it does."""
-    train, model, optim, parallel = run.train, run.model, run.optim, run.parallel
-    global_batch = global_batch or train.global_batch_size
-    check_batch(global_batch, layout, "train.global_batch_size", run.source)
-    per_rank = global_batch // layout.dp
-    micro = min(layout.micro_batch_size, per_rank)
-    layout = dataclasses.replace(layout, micro_batch_size=micro)
-    micro_batches = math.ceil(per_rank / micro)
-    isolated = documents is not None
-    # a split sequence's chunks per rank: head-tail's 2, contiguous's 1, or packed documents' own deal
-    chunks = 1 if parallel.cp_sharding != "headtail" else parallel.cp_document_chunks if isolated else 2
-    memory = memory_per_gpu(model, layout, seq_len, run.precision, optim.ns_dtype, details,
-                            micro_batches=micro_batches, documents=isolated, cp_chunks=chunks)
-    tokens = micro * seq_len // layout.cp
-    by_mode = {mode: activation_bytes(model, tokens, seq_len, layout.cp, run.precision, mode, details, layout.ep,
-                                      isolated, chunks)[0] for mode in MODES}
-    traffic = step_traffic(model, layout, seq_len, run.precision, micro_batches, optim.ns_dtype, parallel.cp_kernel,
-                           parallel.cp_sharding, chunks)
-    time = step_time(model, layout, seq_len, run.precision, micro_batches, rates, traffic,
-                     bandwidths_for(layout, device), optim.ns_dtype, optim.ns_steps, parallel.cp_kernel, details,
-                     documents, chunks)
-    return PhasePlan(name, seq_len, layout.cp, layout, 0, 0, micro_batches, memory, traffic, time, by_mode,
-                     memory.total <= device.memory_bytes, batch_tokens=global_batch * seq_len, documents=documents,
-                     decode_cache=decode_cache_bytes(model, seq_len, 1, run.precision))
+    model, precision = run.model, run.precision
+    step = _Step(run, layout, seq_len, global_batch, documents)
+    layout, isolated, chunks = step.layout, documents is not None, step.chunks
+    memory = step.memory(device, details)
+    tokens = layout.micro_batch_size * seq_len // layout.cp
+
+    def by_mode() -> dict[str, int]:  # for the report only: asked of one plan, not of every layout searched
+        return {mode: round(activation_bytes(model, tokens, seq_len, layout.cp, precision, mode, details,
+                                             layout.ep, isolated, chunks)[0] * device.memory_factor)
+                for mode in MODES}
+
+    traffic, time = step.costs(device, rates, details)
+    return PhasePlan(name, seq_len, layout.cp, layout, 0, 0, step.micro_batches, memory, traffic, time, by_mode,
+                     memory.total <= device.memory_bytes, batch_tokens=step.global_batch * seq_len,
+                     documents=documents, decode_cache=decode_cache_bytes(model, seq_len, 1, precision))
+
+
+def step_seconds(run: ResolvedRun, layout: Layout, seq_len: int, device: DeviceSpec, rates: Rates,
+                 details: DeviceDetails, global_batch: int, documents: DocumentPlan | None = None) -> float:
+    """The predicted seconds of one step of `global_batch` sequences (a step of the batch ramp): `plan_phase`'s
+    time, without its memory."""
+    return _Step(run, layout, seq_len, global_batch, documents).costs(device, rates, details)[1].total
+
+
+class _Step:
+    """One step's split: its micro-batches on `layout`, and its chunks of a split sequence."""
+
+    def __init__(self, run: ResolvedRun, layout: Layout, seq_len: int, global_batch: int | None,
+                 documents: DocumentPlan | None):
+        parallel = run.parallel
+        self.run, self.seq_len, self.documents = run, seq_len, documents
+        self.global_batch = global_batch or run.train.global_batch_size
+        check_batch(self.global_batch, layout, "train.global_batch_size", run.source)
+        per_rank = self.global_batch // layout.dp
+        micro = min(layout.micro_batch_size, per_rank)
+        self.layout = dataclasses.replace(layout, micro_batch_size=micro)
+        self.micro_batches = math.ceil(per_rank / micro)
+        # a split sequence's chunks per rank: head-tail's 2, contiguous's 1, or packed documents' own deal
+        self.chunks = 1 if parallel.cp_sharding != "headtail" else \
+            parallel.cp_document_chunks if documents is not None else 2
+
+    def memory(self, device: DeviceSpec, details: DeviceDetails) -> Memory:
+        """Memory per GPU of the step, scaled by the device's calibration."""
+        run = self.run
+        return memory_per_gpu(run.model, self.layout, self.seq_len, run.precision, run.optim.ns_dtype, details,
+                              micro_batches=self.micro_batches, documents=self.documents is not None,
+                              cp_chunks=self.chunks).scaled(device.memory_factor)
+
+    def costs(self, device: DeviceSpec, rates: Rates, details: DeviceDetails) -> tuple[Traffic, StepTime]:
+        """(bytes sent, seconds) of the step; the seconds scaled by the device's calibration."""
+        run, layout, optim, parallel = self.run, self.layout, self.run.optim, self.run.parallel
+        traffic = step_traffic(run.model, layout, self.seq_len, run.precision, self.micro_batches, optim.ns_dtype,
+                               parallel.cp_kernel, parallel.cp_sharding, self.chunks)
+        time = step_time(run.model, layout, self.seq_len, run.precision, self.micro_batches, rates, traffic,
+                         bandwidths_for(layout, device), optim.ns_dtype, optim.ns_steps, parallel.cp_kernel, details,
+                         self.documents, self.chunks)
+        return traffic, time.scaled(device.compute_factor)
 
 
 def schedule(run: ResolvedRun) -> list[list[tuple[int, int]]]:
@@ -263,77 +304,114 @@ def plan_precision(device_name: str) -> str:
     return auto_precision(torch.device("cpu")) if device_name == "local" else "bf16"
 
 
-def plan_compile(device_name: str) -> bool:
-    """`train.compile = "auto"` on the device of that name: on for a GPU; on this machine what the trainer
-    picks."""
-    return compiles_training(default_accelerator()) if device_name == "local" else True
+def plan_compile(device_name: str, table=None) -> bool:
+    """`train.compile = "auto"` on the device of that name: on for a GPU; on this machine (`local`) what the
+    trainer picks on the device its table measured (on a CPU: off)."""
+    if device_name != "local":
+        return True
+    return compiles_training(torch.device(table.device) if table is not None else default_accelerator())
 
 
-def plan_run(run: ResolvedRun, device: DeviceSpec, table=None, gpus_per_node: int | None = None,
-             layout: Layout | None = None) -> Plan:
-    """The `Plan` of `run` on its `world_size` GPUs of `device` (`table`: its measured GEMM rates, if any);
-    `layout` replaces the run's mesh, micro-batch and checkpointing in every phase (cp: the phase's)."""
-    gpus = run.world_size
-    if gpus < 1:
-        raise ZayaError(f"--gpus must be at least 1, got {gpus}")
-    per_node = gpus_per_node or min(device.gpus_per_node, gpus)
-    if per_node < 1:
-        raise ZayaError(f"--gpus-per-node must be at least 1, got {per_node}")
-    model = run.model
-    rates = rates_for(device, table)
-    details = device_details(device, getattr(table, "device", None), run.precision)
-    phases, problems = [], []
-    for index, (phase, runs) in enumerate(zip(run.phases, schedule(run), strict=True)):
-        if not runs:
-            continue
-        try:
-            if layout is None:
-                mesh = layout_of(run, per_node, index)
-                problem = expert_parallel_problem(model.num_experts, mesh)
-                if problem:
-                    raise ZayaError(f"{run.source}: {problem}")
-            else:
-                # a phase with a cp of its own keeps it; the others take the layout's
+class Planner:
+    """Plans the phases of one run on one device, phase by phase: `plan_run` for a whole run in one layout, the
+    layout search (`zaya.plan.search`) for each phase in many, the run's schedule and the device's rates worked
+    out once."""
+
+    def __init__(self, run: ResolvedRun, device: DeviceSpec, table=None, gpus_per_node: int | None = None):
+        if run.world_size < 1:
+            raise ZayaError(f"--gpus must be at least 1, got {run.world_size}")
+        forget_keys()  # a config object may have changed since the last plan
+        self.per_node = gpus_per_node or min(device.gpus_per_node, run.world_size)
+        if self.per_node < 1:
+            raise ZayaError(f"--gpus-per-node must be at least 1, got {self.per_node}")
+        self.run, self.device, self.table = run, device, table
+        self.rates = rates_for(device, table)
+        self.details = device_details(device, getattr(table, "device", None), run.precision)
+        self.schedule = schedule(run)
+
+    def mesh(self, index: int, layout: Layout | None = None, cp: int | None = None) -> Layout:
+        """Phase `index`'s mesh: the run's own (`layout` None), or `layout`'s with context parallelism `cp` (None:
+        the phase's own cp if it has one, else the layout's); a ZayaError says why it cannot run."""
+        run, gpus, phase = self.run, self.run.world_size, self.run.phases[index]
+        if layout is None:
+            mesh = layout_of(run, self.per_node, index)
+        else:
+            if cp is None:
                 cp = phase.cp if phase.cp != run.parallel.cp else layout.cp
-                if gpus % (layout.dp_replicate * cp):
-                    raise ZayaError(f"{run.source}: cp = {cp} x dp_replicate = {layout.dp_replicate} does not "
-                                    f"divide {gpus} GPUs")
-                mesh = dataclasses.replace(layout, gpus=gpus, gpus_per_node=per_node, cp=cp,
-                                           dp_shard=gpus // (layout.dp_replicate * cp))
-                if index == 0 and layout.dp_replicate * layout.dp_shard * layout.cp != gpus:
-                    raise ZayaError(f"{run.source}: dp_replicate x dp_shard x cp = {layout.dp_replicate} x "
-                                    f"{layout.dp_shard} x {layout.cp} is not {gpus} GPUs")
-                problem = expert_parallel_problem(model.num_experts, mesh)
-                if problem:
-                    raise ZayaError(f"{run.source}: {problem}")
-                # the run's own mesh was checked by `run.mesh`; this one is new
-                chunks = run.parallel.cp_document_chunks if phase.isolate_documents else None
-                problem = sequence_split_problem(phase.seq_len, mesh.cp, run.parallel.cp_sharding,
-                                                 min_chunk=model.conv_padding,
-                                                 chunks_per_rank=chunks) if mesh.cp > 1 else None
-                if problem:
-                    raise ZayaError(f"{run.source}: seq_len {phase.seq_len} over cp = {mesh.cp}: {problem}")
-        except ZayaError as exc:
-            if not phases:
-                raise
-            problems.append(f"phase '{phase.name}': {str(exc).split(': ', 1)[-1]}")
-            continue
+            if gpus % (layout.dp_replicate * cp):
+                raise ZayaError(f"{run.source}: cp = {cp} x dp_replicate = {layout.dp_replicate} does not "
+                                f"divide {gpus} GPUs")
+            mesh = dataclasses.replace(layout, gpus=gpus, gpus_per_node=self.per_node, cp=cp,
+                                       dp_shard=gpus // (layout.dp_replicate * cp))
+        problem = expert_parallel_problem(run.model.num_experts, mesh)
+        if problem:
+            raise ZayaError(f"{run.source}: {problem}")
+        if layout is not None and mesh.cp > 1:  # the run's own mesh was checked by `run.mesh`; this one is new
+            chunks = run.parallel.cp_document_chunks if phase.isolate_documents else None
+            problem = sequence_split_problem(phase.seq_len, mesh.cp, run.parallel.cp_sharding,
+                                             min_chunk=run.model.conv_padding, chunks_per_rank=chunks)
+            if problem:
+                raise ZayaError(f"{run.source}: seq_len {phase.seq_len} over cp = {mesh.cp}: {problem}")
+        return mesh
+
+    def memory(self, index: int, mesh: Layout) -> Memory:
+        """Phase `index`'s memory per GPU on `mesh` (what `phase` predicts of it, without the time)."""
+        phase = self.run.phases[index]
+        return _Step(self.run, mesh, phase.seq_len, None, phase_documents(phase, index, phase.seq_len)).memory(
+            self.device, self.details)
+
+    def phase(self, index: int, mesh: Layout) -> PhasePlan | None:
+        """Phase `index` on `mesh`, every step of it at its batch size; None for a phase with no steps."""
+        run, phase, runs = self.run, self.run.phases[index], self.schedule[index]
+        if not runs:
+            return None
         full = run.train.global_batch_size
         documents = phase_documents(phase, index, phase.seq_len)
-        planned = plan_phase(run, mesh, phase.seq_len, device, rates, details, phase.name, documents=documents)
-        seconds = {batch: plan_phase(run, mesh, phase.seq_len, device, rates, details, phase.name, batch,
-                                     documents).time.total
+        planned = plan_phase(run, mesh, phase.seq_len, self.device, self.rates, self.details, phase.name,
+                             documents=documents)
+        seconds = {batch: step_seconds(run, mesh, phase.seq_len, self.device, self.rates, self.details, batch,
+                                       documents)
                    for batch in {batch for batch, _ in runs} - {full}}
         seconds[full] = planned.time.total
         planned.steps = sum(steps for _, steps in runs)
         planned.tokens = sum(batch * steps for batch, steps in runs) * phase.seq_len
         planned.seconds = sum(seconds[batch] * steps for batch, steps in runs)
-        phases.append(planned)
-    peak = device.peak_flops.get(run.precision, device.peak_flops["bf16"])
-    if table is not None:
-        peak = table.peak(run.precision)
-    sliding = {"blocks": model.sliding_blocks, "of": model.num_hidden_layers, "window": model.sliding_window} \
-        if model.sliding_blocks else None
-    return Plan(run.source, device, run.precision, _parameter_report(model),
-                training_flops_per_token(model, phases[0].seq_len, _parameter_report(model)), phases, peak,
-                bandwidths_for(phases[0].layout, device), problems, sliding)
+        return planned
+
+    def plan(self, phases: list[PhasePlan], problems: list[str]) -> Plan:
+        """The `Plan` of these phase plans (the first one's figures are the headline's)."""
+        run, device, model = self.run, self.device, self.run.model
+        peak = device.peak_flops.get(run.precision, device.peak_flops["bf16"])
+        if self.table is not None:
+            peak = self.table.peak(run.precision)
+        sliding = {"blocks": model.sliding_blocks, "of": model.num_hidden_layers, "window": model.sliding_window} \
+            if model.sliding_blocks else None
+        report = _parameter_report(model)
+        return Plan(run.source, device, run.precision, report,
+                    training_flops_per_token(model, phases[0].seq_len, report), phases, peak,
+                    bandwidths_for(phases[0].layout, device), problems, sliding)
+
+
+def plan_run(run: ResolvedRun, device: DeviceSpec, table=None, gpus_per_node: int | None = None,
+             layout: Layout | None = None, phase_cp: tuple[int, ...] | None = None) -> Plan:
+    """The `Plan` of `run` on its `world_size` GPUs of `device` (`table`: its measured GEMM rates, if any);
+    `layout` replaces the run's mesh, micro-batch and checkpointing in every phase (cp: `phase_cp`'s for each
+    phase where given, as a search's candidate has it; else the phase's own if it has one, else the layout's)."""
+    planner = Planner(run, device, table, gpus_per_node)
+    gpus = run.world_size
+    if layout is not None and layout.dp_replicate * layout.dp_shard * layout.cp != gpus:
+        raise ZayaError(f"{run.source}: dp_replicate x dp_shard x cp = {layout.dp_replicate} x "
+                        f"{layout.dp_shard} x {layout.cp} is not {gpus} GPUs")
+    phases, problems = [], []
+    for index, phase in enumerate(run.phases):
+        if not planner.schedule[index]:
+            continue
+        try:
+            mesh = planner.mesh(index, layout, phase_cp[index] if layout is not None and phase_cp else None)
+        except ZayaError as exc:
+            if not phases:
+                raise
+            problems.append(f"phase '{phase.name}': {str(exc).split(': ', 1)[-1]}")
+            continue
+        phases.append(planner.phase(index, mesh))
+    return planner.plan(phases, problems)

@@ -73,6 +73,7 @@ from zaya.parallel.fsdp import (
     gathers_per_micro_batch,
 )
 from zaya.plan.documents import DocumentPlan, attention_length, causal_pairs, document_pairs
+from zaya.plan.inventory import config_key
 from zaya.plan.layout import Layout
 from zaya.plan.memory import GPU_DETAILS, DeviceDetails, activation_bytes, row_padding
 from zaya.plan.traffic import DIMENSIONS, Traffic, window_halo
@@ -169,6 +170,13 @@ class StepTime:
     def total(self) -> float:
         return self.compute + self.comm_exposed
 
+    def scaled(self, factor: float) -> StepTime:
+        """This step with its compute parts times `factor` (a calibration, `zaya.plan.calibration`); the exposed
+        communication is the links', which a calibration does not measure apart, and stays as it is."""
+        return StepTime(self.gemm * factor, self.attention * factor, self.elementwise * factor,
+                        self.overhead * factor, self.optimizer * factor, self.comm_exposed,
+                        dict(self.comm_by_dimension))
+
     def to_dict(self) -> dict[str, float]:
         return {"gemm": self.gemm, "attention": self.attention, "elementwise": self.elementwise,
                 "overhead": self.overhead, "optimizer": self.optimizer, "comm_exposed": self.comm_exposed,
@@ -191,11 +199,28 @@ def _grouped(rates: Rates, m: float, n: int, k: int, groups: int, dtype: str, ba
     return seconds * (3 if backward else 1)
 
 
+_BLOCK_GEMMS: dict[tuple, tuple[Rates, float]] = {}
+
+
 def block_gemm_seconds(c: ZayaConfig, rates: Rates, tokens: int, precision: str, rho: float,
                        backward: bool = True, parts: str = "all", ep: int = 1) -> float:
     """One block's GEMMs for `tokens` tokens (`parts`: "all", "attention" or "moe"); with `ep` expert-parallel
     ranks the experts' GEMMs take the same rows over this rank's E / ep experts, in three calls (the module
-    docstring)."""
+    docstring). Remembered: the layouts of a search share their blocks' shapes (the rates object is kept with
+    its answer, so that its id names it while the answer is kept)."""
+    key = (config_key(c), id(rates), tokens, precision, rho, backward, parts, ep)
+    known = _BLOCK_GEMMS.get(key)
+    if known is not None and known[0] is rates:
+        return known[1]
+    if len(_BLOCK_GEMMS) > 1 << 14:
+        _BLOCK_GEMMS.clear()
+    seconds = _block_gemm_seconds(c, rates, tokens, precision, rho, backward, parts, ep)
+    _BLOCK_GEMMS[key] = (rates, seconds)
+    return seconds
+
+
+def _block_gemm_seconds(c: ZayaConfig, rates: Rates, tokens: int, precision: str, rho: float, backward: bool,
+                        parts: str, ep: int) -> float:
     a = precision
     D, Q, K, R = c.hidden_size, c.query_latent, c.key_latent, c.router_hidden_size
     E = c.num_experts // ep
@@ -323,7 +348,7 @@ def op_counts(config: ZayaConfig) -> OpCounts:
     """The `OpCounts` of `_op_counts`, for a small model with `config`'s options, per block the mean over the
     config's blocks of their types' counts (remembered by the config's fields: a layout search asks for them
     tens of thousands of times)."""
-    key = repr(config)
+    key = config_key(config)
     if key not in _OP_COUNTS:
         types = [kind for kind in LAYER_TYPES if config.layer_types is not None and kind in config.layer_types]
         small = {**config.to_dict(), "vocab_size": 256, "hidden_size": 64, "num_attention_heads": 2,
