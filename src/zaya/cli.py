@@ -311,8 +311,15 @@ def train(config_path: Path, overrides: tuple[str, ...], run_dir: str | None, al
         from zaya.config_toml import to_toml
 
         config = load_config(config_path, list(overrides))
+        chosen = ""
+        if config.parallel.layout == "auto":
+            from zaya.training import layout_to_print
+
+            config, chosen = layout_to_print(config, launch, os.environ)
         if launch.is_main:  # under torchrun every rank would print the same document
             click.echo(f"# {json.dumps(str(config_path))} resolved: defaults and --set overrides applied")
+            if chosen:
+                click.echo(f"# {chosen}")
             click.echo(to_toml(config), nl=False)
         return
     if print_param_groups:

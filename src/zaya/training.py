@@ -19,7 +19,9 @@ cache of `zaya shapes`. The trainer and its parts read none of it from the envir
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
 import stat
 from collections.abc import Callable, Mapping
@@ -28,14 +30,15 @@ from pathlib import Path
 
 import torch
 
-from zaya.config import RunConfig
+from zaya.config import LAYOUT_KEYS, RunConfig
 from zaya.device import auto_precision, compiles_training, fast_bf16_matmul, rank_device, resolve_device
 from zaya.errors import ZayaError
 from zaya.locking import DirectoryLock
 from zaya.parallel.launch import Launch
 from zaya.parallel.mesh import backend_for
+from zaya.plan.auto import Choice, Cluster, LayoutCache, apply_layout, choose, pin_line, recorded_values
 from zaya.plan.devices import peak_flops
-from zaya.plan.forecast import Forecast
+from zaya.plan.forecast import Forecast, target
 from zaya.plan.table import cache_dir, default_table_path
 from zaya.reading import os_reason
 from zaya.resilience.faults import FaultInjector
@@ -51,6 +54,7 @@ from zaya.train.inputs import (
     init_source,
     newest_checkpoint,
     phase_sources,
+    read_saved,
     recorded_precision,
     saved_phase,
 )
@@ -85,6 +89,8 @@ class TrainingJob:
     phase_init: dict[int, WeightSource] = dataclasses.field(default_factory=dict)  # later phases' own weights
     fingerprints: dict[str, list[str]] | None = None  # each phase's datasets', as the checks read them
     forecast: Forecast | None = None  # the plan of the run on its device, made (its memory checked) by the checks
+    layout: Choice | None = None  # what `parallel.layout = "auto"` chose (`launch_layout`); None: the config's own
+    given: RunConfig | None = None  # the config as given, before an `auto` layout was written into it
 
     @classmethod
     def check(cls, config: RunConfig, run_dir: Path | str, *, launch: Launch, environ: Mapping[str, str],
@@ -123,6 +129,11 @@ class TrainingJob:
         precision = train.precision
         if precision == "auto":
             precision = recorded or auto_precision(device, measure_bf16)
+        given = config
+        layout = None
+        if config.parallel.layout == "auto":
+            layout = launch_layout(config, precision, device, launch, environ, resume_from)
+            config = layout.config
         run = config.resolve(launch.world_size, precision, compiles_training(device))
         run.check_job()
         notes, fingerprints = check_inputs(run, resume_from, allow_data_change, allow_tokenizer_change)
@@ -130,9 +141,12 @@ class TrainingJob:
         later, later_notes = phase_sources(run, resume_from, allow_tokenizer_change)
         check_eval_splits(run, saved_phase(resume_from, len(run.phases)))  # not at its first evaluation
         forecast, memory_notes = planned(run, device, launch, environ, allow_over_memory)
+        layout_notes = [layout.line] if layout is not None else []
+        if layout is not None and forecast is not None:
+            forecast.runner_up = layout.runner_up
         return cls(config, Path(run_dir), launch, environ, device, supervision, policy, resume_from, recorded, run,
-                   allow_data_change, init_from, tuple(notes + init_notes + later_notes + memory_notes), lock, later,
-                   fingerprints, forecast)
+                   allow_data_change, init_from, tuple(layout_notes + notes + init_notes + later_notes + memory_notes),
+                   lock, later, fingerprints, forecast, layout, given)
 
     def trainer(self, **setup) -> Trainer:
         """The trainer, once every rank passed the start-up check: the ranks agree on a measured precision
@@ -150,8 +164,14 @@ class TrainingJob:
         if self.config.train.precision == "auto" and self.recorded is None:
             agreed = "fp32" if "fp32" in launch.gather("precision", run.precision) else "bf16"
             if agreed != run.precision:
+                if self.layout is not None:  # chosen for the precision this rank measured
+                    self.layout = launch_layout(self.given, agreed, self.device, launch, self.environ,
+                                                self.resume_from)
+                    self.config = self.layout.config
                 run = self.run = self.config.resolve(launch.world_size, agreed, compiles_training(self.device))
                 self.forecast = None  # planned for the precision this rank measured
+        if self.layout is not None:
+            run = self._agree_on_layout(run)
         check_ranks_agree(run, launch.gather, self.fingerprints)
         supervision = self.supervision
         listeners, scales = [], []
@@ -172,11 +192,94 @@ class TrainingJob:
             hooks=Hooks(listeners, scales), origin=time_origin(self.environ),
             started=None if "clock" in setup else process_start(),  # a caller's own clock: from the trainer's start
             wandb_environ_mode=self.environ.get("WANDB_MODE", ""),
-            forecast=self.forecast or Forecast.for_run(run, self.device, launch.local_world_size, table),
+            forecast=self.forecast or self._forecast(run, table),
+            layout=None if self.layout is None else self.layout.record,
             report_plots=report_plots,
             lock=self.lock, phase_init=self.phase_init,
         )
         return Trainer(run, dataclasses.replace(trainer_setup, **setup))
+
+    def _agree_on_layout(self, run: ResolvedRun) -> ResolvedRun:
+        """Every rank trains in rank 0's choice: the ranks plan alike from alike figures, but a node whose
+        measured table or free memory differs could choose otherwise."""
+        mine = json.dumps(self.layout.values, sort_keys=True)
+        chosen = self.launch.gather("layout", mine)[0]
+        if chosen == mine:
+            return run
+        values = json.loads(chosen)
+        pinned = " ".join(pin_line(values, self.given))
+        self.layout = dataclasses.replace(self.layout, values=values, config=apply_layout(self.given, values),
+                                          line=f"layout auto: rank 0's choice, {pinned}")
+        self.config = self.layout.config
+        self.forecast = None
+        self.run = self.config.resolve(self.launch.world_size, run.precision, compiles_training(self.device))
+        return self.run
+
+    def _forecast(self, run: ResolvedRun, table: Path) -> Forecast:
+        forecast = Forecast.for_run(run, self.device, self.launch.local_world_size, table, cache_dir(self.environ))
+        if self.layout is not None:
+            forecast.runner_up = self.layout.runner_up
+        return forecast
+
+
+def launch_layout(config: RunConfig, precision: str, device: torch.device, launch: Launch,
+                  environ: Mapping[str, str], resume_from: Path | None, keep: bool = True) -> Choice:
+    """The layout `parallel.layout = "auto"` trains `config` in on this job (`zaya.plan.auto`): the one its
+    checkpoint recorded if it resumes on as many ranks, else the planner's fastest that fits. Where the device has
+    no figures to plan with, or the planner fails, the config's own layout, said in one line; where nothing fits,
+    one `ZayaError` naming the smallest shortfall. `keep`: rank 0 keeps a new search in the cache directory
+    (`--print-config` writes nothing)."""
+    world = launch.world_size
+    saved = read_saved(resume_from) if resume_from is not None else None
+    anew = ""
+    if saved is not None and saved.world_size != world:
+        anew = f" (re-planned: the checkpoint's run had {saved.world_size} rank(s))"
+    elif saved is not None:
+        anew = " (planned anew: the checkpoint's run did not choose its layout, or chose one the keys the config " \
+               "gives now do not go with)"
+        values = recorded_values(saved.config)
+        if values is not None:
+            kept = apply_layout(config, values)
+            with contextlib.suppress(ZayaError):  # the config now gives a key that does not go with the rest
+                kept.resolve(world, precision, compiles_training(device)).check_job()
+                settings = pin_line(values, config)
+                return Choice(kept, values, settings, f"layout auto: kept the layout the run chose for its {world} "
+                                                      f"rank(s): {' '.join('--set ' + s for s in settings)}")
+    run = config.resolve(world, precision, compiles_training(device))
+    cache = cache_dir(environ)
+    own = f"training in the config's own layout ({_own(config)})"
+    try:
+        spec, table, note = target(run, device, default_table_path(precision, cache), launch.local_world_size, cache)
+    except Exception as exc:  # a bad table or calibration: reported by `zaya plan`; the run starts as configured
+        return Choice(config, {}, [], f"layout auto: no plan ({type(exc).__name__}: {exc}); {own}")
+    if note and not note.startswith(" "):
+        return Choice(config, {}, [], f"layout auto: {note}; {own}")
+    cluster = Cluster(world, min(launch.local_world_size, world), spec, table)
+    try:
+        choice = choose(config, run, cluster, cache=LayoutCache(cache, writable=keep and launch.rank == 0))
+    except ZayaError:
+        raise  # nothing fits: said before anything is allocated
+    except Exception as exc:  # a bug in the planner must not stop a run that would otherwise start
+        return Choice(config, {}, [], f"layout auto: no plan ({type(exc).__name__}: {exc}); {own}")
+    choice.line += anew
+    return choice
+
+
+def layout_to_print(config: RunConfig, launch: Launch, environ: Mapping[str, str]) -> tuple[RunConfig, str]:
+    """For `zaya train --print-config` of a config whose layout is `auto`: the config with the layout a fresh
+    launch of this job would choose, and a comment line that says so; nothing is written."""
+    device = config.train.device
+    device = rank_device(resolve_device(None if device == "auto" else device), launch.local_rank)
+    precision = config.train.precision
+    precision = auto_precision(device) if precision == "auto" else precision
+    choice = launch_layout(config, precision, device, launch, environ, None, keep=False)
+    return choice.config, (f"{choice.line} (as a fresh launch of {launch.world_size} rank(s) here; a resume on as "
+                           "many keeps the layout its checkpoint recorded)")
+
+
+def _own(config: RunConfig) -> str:
+    return ", ".join(f"{key} = {getattr(getattr(config, key.split('.')[0]), key.split('.')[1])}"
+                     for key in LAYOUT_KEYS)
 
 
 def planned(run: ResolvedRun, device: torch.device, launch: Launch, environ: Mapping[str, str],
@@ -185,7 +288,7 @@ def planned(run: ResolvedRun, device: torch.device, launch: Launch, environ: Map
     a run it says does not fit is refused here, before anything is allocated (`zaya.plan.fit`: the largest part,
     the smallest fix), unless `allow_over_memory`; then the log says so."""
     forecast = Forecast.for_run(run, device, launch.local_world_size,
-                                default_table_path(run.precision, cache_dir(environ)))
+                                default_table_path(run.precision, cache_dir(environ)), cache_dir(environ))
     problem = forecast.over_memory()
     if problem is None:
         return forecast, []

@@ -26,6 +26,10 @@ from zaya.train.run import ResolvedRun
 
 STEPS = 20  # measured steps before the comparison (the first is left out: it warms up)
 GB = 1e9
+# a measured step time, or on a GPU a measured peak memory, this far off the plan's is said in a line of its own:
+# the plan chose the layout (`parallel.layout = "auto"`) or sized it, and a prediction off by more than this
+# could have chosen another
+MARGIN = 0.25
 
 
 class Forecast:
@@ -36,17 +40,20 @@ class Forecast:
                  table=None) -> None:
         self.plan, self.note, self.on_cpu, self.failure = plan, note, on_cpu, failure
         self.run, self.table = run, table  # what the plan is of, for `over_memory`
+        self.runner_up = ""  # the prediction of the layout `auto` ranked second, said where this one is off
         self.phase = 0
         self.rows: list[dict] = []
         self.done = plan is None
 
     @classmethod
-    def for_run(cls, run: ResolvedRun, device: torch.device, gpus_per_node: int, table_path: Path) -> Forecast:
+    def for_run(cls, run: ResolvedRun, device: torch.device, gpus_per_node: int, table_path: Path,
+                cache: Path | None = None) -> Forecast:
         """The forecast of `run` on its ranks of `device`, `gpus_per_node` on a node; `table_path` is where
-        `zaya shapes` keeps this machine's table for the run's precision. A prediction that cannot be made is a
-        one-line note, never an error: it must not stop a run."""
+        `zaya shapes` keeps this machine's table for the run's precision, `cache` the calibrations of
+        `zaya plan --calibrate-from`. A prediction that cannot be made is a one-line note, never an error: it
+        must not stop a run."""
         try:
-            spec, table, note = _target(run, device, table_path, gpus_per_node)
+            spec, table, note = target(run, device, table_path, gpus_per_node, cache)
             plan = plan_run(run, spec, table, min(gpus_per_node, run.world_size))
         except ZayaError as exc:
             return cls(None, failure=f"plan: no prediction ({exc})")
@@ -112,15 +119,39 @@ class Forecast:
         text = (f"measured over steps {rows[0]['step']}-{rows[-1]['step']} against the plan: peak memory "
                 f"{memory / GB:.2f} GB{where} (plan {phase.memory.total / GB:.2f}); sent {sent / GB:.3f} GB per step "
                 f"(plan {phase.traffic.total / GB:.3f})")
-        if not self.note or self.note.startswith(" "):
+        timed = not self.note or self.note.startswith(" ")
+        if timed:
             text += (f"; step {seconds:.3f} s (plan {phase.time.total:.3f}, {phase.time.total / seconds - 1:+.0%}), "
                      f"{tokens:,.0f} tokens/s per {self.plan.device.unit}")
+        off = []
+        if timed and abs(seconds / phase.time.total - 1) > MARGIN:
+            off.append(f"the step takes {seconds:.3f} s, {seconds / phase.time.total - 1:+.0%} off the plan's "
+                       f"{phase.time.total:.3f} s")
+        if not self.on_cpu and abs(memory / phase.memory.total - 1) > MARGIN:  # a CPU's figure holds the interpreter
+            off.append(f"the peak memory is {memory / GB:.2f} GB, {memory / phase.memory.total - 1:+.0%} off the "
+                       f"plan's {phase.memory.total / GB:.2f} GB")
+        if off:
+            text += (f"\nwarning: {' and '.join(off)} (more than the {MARGIN:.0%} the plan is held to)"
+                     + (f"; {self.runner_up}" if self.runner_up else "")
+                     + "; `zaya plan --calibrate-from RUN_DIR --device NAME` folds this run's figures into the "
+                       "device's for the next launch")
         return text
 
 
+def target(run: ResolvedRun, device: torch.device, table_path: Path, processes: int = 1, cache: Path | None = None):
+    """(DeviceSpec, measured table or None, note) for the device the run trains on, `processes` ranks on this node,
+    with the calibration `zaya plan --calibrate-from` kept under `cache` (if any). A CPU's memory is what the host
+    has available now, shared by those processes. A note that does not start with a space says the spec has no
+    figures for time (memory only)."""
+    spec, table, note = _target(run, device, table_path, processes)
+    if cache is not None and (not note or note.startswith(" ")):
+        from zaya.plan.calibration import calibrated
+
+        spec = calibrated(spec, cache, run.precision)
+    return spec, table, note
+
+
 def _target(run: ResolvedRun, device: torch.device, table_path: Path, processes: int = 1):
-    """(DeviceSpec, measured table or None, note) for the device the run trains on, `processes` ranks on this node.
-    A CPU's memory is what the host has available now, shared by those processes."""
     from zaya.plan.table import EfficiencyTable
 
     host = not is_accelerator(device)

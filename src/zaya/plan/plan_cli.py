@@ -5,6 +5,7 @@
     zaya plan configs/tiny.toml --device local --set train.precision=fp32   # after `zaya shapes`
     zaya plan configs/zaya1-base.toml --gpus 256 --device h200 --search
     zaya plan --devices
+    zaya plan --calibrate-from runs/first --device mi300x    # what that run measured, folded into mi300x's figures
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:10.2f} GB"
 
 
-def load_target(device: str, precision: str, table_path: Path | None, cache: Path):
+def load_target(device: str, precision: str, table_path: Path | None, cache: Path, uncalibrated: bool = False):
     """(DeviceSpec, measured table or None) for `device`; "local" reads the table `zaya shapes` wrote under the
-    cache directory `cache`, or `table_path`."""
+    cache directory `cache`, or `table_path`. The device carries its calibration in `precision` from the cache
+    (`zaya.plan.calibration`) unless `uncalibrated`."""
+    from zaya.plan.calibration import calibrated
     from zaya.plan.devices import get_device
 
     if device != "local":
         if table_path is not None:
             raise ZayaError("--table applies to --device local only")
-        return get_device(device), None
+        spec = get_device(device)
+        return (spec if uncalibrated else calibrated(spec, cache, precision)), None
     from zaya.plan.table import EfficiencyTable, default_table_path
 
     dtype = "bf16" if precision == "bf16" else "fp32"
@@ -40,7 +44,8 @@ def load_target(device: str, precision: str, table_path: Path | None, cache: Pat
     if table_path is None and not _exists(path):
         raise ZayaError(f"no measured table for the local device at {path}: run `zaya shapes --dtype {dtype}` first")
     table = EfficiencyTable.load(path)  # a regular file of at most 64 MiB, its every field checked
-    return get_device("local", table), table
+    spec = get_device("local", table)
+    return (spec if uncalibrated else calibrated(spec, cache, dtype)), table
 
 
 def _exists(path: Path) -> bool:
@@ -77,6 +82,12 @@ def format_plan(plan) -> str:
     lines = [
         f"plan of {plan.source} on {layout.gpus} x {plan.device.label} ({plan.device.name}), {plan.precision}",
         f"  layout: {layout.describe()}",
+    ]
+    if plan.device.calibrated_from:
+        lines.append(f"  calibrated: compute time x{plan.device.compute_factor:.3f}, memory "
+                     f"x{plan.device.memory_factor:.3f}, as {plan.device.calibrated_from} measured "
+                     "(--uncalibrated: without)")
+    lines += [
         f"  parameters: {plan.params.total:,} total, {plan.params.active:,} active, {plan.params.embedding:,} "
         f"embedding; {plan.flops_per_token / 1e9:.2f} GFLOP per token (training, seq {first.seq_len})",
     ]
@@ -141,40 +152,71 @@ def format_plan(plan) -> str:
 @click.option("--search", is_flag=True, help="Rank every layout that fits; say why the others do not.")
 @click.option("--top", type=int, default=10, show_default=True, help="Layouts --search shows (1 to 1,000).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (keys in docs/planning.md).")
-@click.option("--devices", is_flag=True, help="List the devices and exit.")
-def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, search, top, as_json, devices) -> None:
+@click.option("--devices", is_flag=True, help="List the devices and their calibrations, and exit.")
+@click.option("--calibrate-from", "calibrate_from", type=click.Path(path_type=Path), default=None, metavar="RUN_DIR",
+              help="Fold what the run in RUN_DIR measured (step time, peak memory) into --device's figures, for "
+                   "the next plans.")
+@click.option("--uncalibrated", is_flag=True, help="Plan with the published (or measured) figures alone, not a "
+                                                   "calibration.")
+@click.pass_context
+def plan(ctx, config_path, gpus, gpus_per_node, device_name, table_path, overrides, search, top, as_json, devices,
+         calibrate_from, uncalibrated) -> None:
     """Predict memory per GPU, communication, step time, MFU and run time of a training config."""
     from zaya.config import load_config
     from zaya.plan.devices import describe_devices
     from zaya.plan.planner import plan_compile, plan_precision, plan_run
-    from zaya.plan.search import MAX_GPUS, describe, search_layouts, smallest_fit
+    from zaya.plan.search import MAX_GPUS, Constraints, describe, search_layouts, smallest_fit
     from zaya.plan.table import cache_dir
 
     check_counts(gpus, gpus_per_node, top)
     cache = cache_dir(os.environ)
     if devices:
-        click.echo(describe_devices(cache))
+        from zaya.plan.calibration import describe_calibrations
+
+        click.echo("\n".join([describe_devices(cache), *describe_calibrations(cache)]))
+        return
+    if calibrate_from is not None:
+        _calibrate(ctx, calibrate_from, config_path, device_name, gpus_per_node, table_path, cache, as_json)
         return
     if config_path is None:
         raise ZayaError("give a run config (zaya plan CONFIG), or --devices")
     config = load_config(config_path, list(overrides))
     # as the trainer would resolve `auto` on the target
     precision = plan_precision(device_name) if config.train.precision == "auto" else config.train.precision
-    device, table = load_target(device_name, precision, table_path, cache)
+    device, table = load_target(device_name, precision, table_path, cache, uncalibrated)
     per_node = gpus_per_node or min(device.gpus_per_node, gpus)
-    run = config.resolve(gpus, precision, plan_compile(device_name))
+    run = config.resolve(gpus, precision, plan_compile(device_name, table))
+    constraints = Constraints.of_config(config, run)
+    ranked = search_layouts(run, per_node, device, table, not as_json, constraints) if search else []
+    chosen, unchosen = None, ""
+    if config.parallel.layout == "auto":  # planned as the trainer would launch it on these GPUs
+        from zaya.plan.auto import Cluster, LayoutCache, choose
+
+        try:
+            chosen = choose(config, run, Cluster(gpus, per_node, device, table),
+                            cache=LayoutCache(cache, writable=False), ranked=ranked or None, progress=not as_json)
+        except ZayaError as exc:  # nothing fits: the config's own layout is planned, and why it does not fit
+            unchosen = str(exc)
+        else:
+            config = chosen.config
+            run = config.resolve(gpus, precision, plan_compile(device_name, table))
     result = plan_run(run, device, table, per_node)
     data = result.to_dict()
+    data["calibration"] = None if not device.calibrated_from else {
+        "compute_factor": device.compute_factor, "memory_factor": device.memory_factor, "run": device.calibrated_from}
+    data["layout_auto"] = None if config.parallel.layout != "auto" else {
+        "settings": chosen.settings if chosen else None, "line": chosen.line if chosen else unchosen}
     smallest = None if result.fits else smallest_fit(config, precision, device,
                                                      gpus_per_node or device.gpus_per_node, table)
-    ranked = search_layouts(run, per_node, device, table, progress=not as_json) if search else []
     if as_json:
         if smallest is not None:
             data["smallest_fit"] = {"gpus": smallest.layout.gpus, "layout": smallest.layout.__dict__,
-                                    "hours": smallest.hours}
+                                    "phase_cp": list(smallest.phase_cp), "hours": smallest.hours,
+                                    "settings": smallest.settings()}
         if search:
-            data["search"] = [{"layout": c.layout.__dict__, "hours": c.hours if not c.reason else None,
-                               "reason": c.reason, "settings": c.layout.settings()} for c in ranked]
+            data["search"] = [{"layout": c.layout.__dict__, "phase_cp": list(c.phase_cp),
+                               "hours": c.hours if not c.reason else None, "reason": c.reason,
+                               "settings": c.settings()} for c in ranked]
         click.echo(json.dumps(data, indent=2))
         return
     if search:  # the answer first: the fastest layouts and the line that applies the best; the config's own after
@@ -185,7 +227,7 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
             click.echo(f"  {describe(candidate)}  {candidate.plan.tokens_per_s_per_gpu:>9,.0f} tok/s/GPU  "
                        f"MFU {candidate.plan.mfu:5.1%}  {first.memory.total / GB:6.1f} GB  {candidate.hours:10,.0f} h")
         if fitting:
-            sets = " ".join(f"--set {setting}" for setting in fitting[0].layout.settings())
+            sets = " ".join(f"--set {setting}" for setting in fitting[0].settings())
             click.echo(f"the fastest, applied: zaya train {config_path} {sets}")
         reasons: dict[str, list] = {}
         for candidate in ranked:
@@ -195,7 +237,9 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
             click.echo("rejected:")
         for members in reasons.values():
             click.echo(f"  {len(members):>4} like {describe(members[0])}: {members[0].reason}")
-        click.echo("\nthe config's own layout:")
+        click.echo("\nthe config's own layout:" if chosen is None else "\nthe layout auto launches:")
+    if config.parallel.layout == "auto":
+        click.echo(chosen.line if chosen is not None else unchosen)
     click.echo(format_plan(result))
     if not result.fits:
         if smallest is None:
@@ -203,6 +247,25 @@ def plan(config_path, gpus, gpus_per_node, device_name, table_path, overrides, s
         else:
             click.echo(f"\nsmallest layout that fits: {smallest.layout.gpus} GPU(s), {describe(smallest)}: "
                        f"{smallest.plan.first.memory.total / GB:.1f} GB per {device.unit}, {smallest.hours:,.0f} hours")
+
+
+def _calibrate(ctx, run_dir: Path, config_path, device_name: str, gpus_per_node, table_path, cache: Path,
+               as_json: bool) -> None:
+    """`--calibrate-from RUN_DIR`: the run gives the config, its ranks and its precision, so the flags that would
+    give them are refused rather than ignored."""
+    from zaya.plan.calibration import calibrate
+
+    if config_path is not None:
+        raise ZayaError("--calibrate-from takes the run's own config: give RUN_DIR alone, without CONFIG")
+    for name in ("gpus", "overrides", "search"):
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            flag = {"overrides": "--set"}.get(name, f"--{name}")
+            raise ZayaError(f"{flag} does not apply to --calibrate-from: the run's config and ranks are what it "
+                            "measured")
+    found, path, line = calibrate(run_dir, cache, lambda precision: load_target(device_name, precision, table_path,
+                                                                                cache, uncalibrated=True),
+                                  gpus_per_node)
+    click.echo(json.dumps({**found.to_dict(), "path": str(path)}, indent=2) if as_json else line)
 
 
 def _reason_kind(reason: str) -> str:

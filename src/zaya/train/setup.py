@@ -52,6 +52,7 @@ class TrainerSetup:
     timer: Callable[[], float] = time.perf_counter
     wandb_environ_mode: str = ""  # the environment's WANDB_MODE (logging.wandb_mode wins over it)
     forecast: Forecast | None = None
+    layout: dict | None = None  # the layout `parallel.layout = "auto"` chose, for the config history (`zaya.plan.auto`)
     report_plots: Callable[[Path], dict[str, Path]] | None = None  # the report's plots, for W&B at the end
     lock: DirectoryLock | None = None  # rank 0's hold on the run directory, released when `run` ends
     phase_init: dict[int, WeightSource] = field(default_factory=dict)  # weights a later phase starts from, by index

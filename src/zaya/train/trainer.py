@@ -416,7 +416,7 @@ class Trainer:
                 if self.launch.is_main:
                     self.run_dir.mkdir(parents=True, exist_ok=True)
                     for line in record_start(self.run_dir, self.config.record, self._resumed_record,
-                                             self.progress.step):
+                                             self.progress.step, self.setup.layout):
                         self.log(line)
                     for line in self.setup.notes:
                         self.log(line)
@@ -473,8 +473,8 @@ class Trainer:
             self.metrics.progress(step, {"loss": f"{row['loss']:.3f}", "tok/s": f"{row['tokens_per_s']:,.0f}"},
                                   seconds=self.stops.clock.run_seconds)
             measured = self.setup.forecast.observe(row) if self.setup.forecast is not None else None
-            if measured:
-                self.log(measured)
+            for line in (measured or "").splitlines():  # the comparison, and a warning where the plan is off
+                self.log(line)
             if not row["skipped"] and not math.isfinite(row["loss"]):
                 raise ZayaError(f"step {step}: the loss is {row['loss']}; stopping (last checkpoint kept)")
             if step == end and not stop and self.signals.skipped_in_row:
