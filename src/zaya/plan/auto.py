@@ -140,7 +140,7 @@ def choose(config: RunConfig, run: ResolvedRun, cluster: Cluster, *, cache: Layo
     settings = pin_line(values, config)
     line = (f"layout auto for {cluster.world_size} x {cluster.device.name} ({cluster.gpus_per_node} per node): "
             f"{' '.join(describe(best).split())}; predicted {_prediction(best, unit)} (the fastest of "
-            f"{len(fitting)} that fit, of {len(ranked)})"
+            f"{len(fitting):,} that fit, of {len(ranked):,})"
             + (f"; the runner-up, {' '.join(describe(runner).split())}: {_prediction(runner, unit)}" if runner else "")
             + f"; pin it with {' '.join('--set ' + s for s in settings)}")
     record = {"world_size": cluster.world_size, "gpus_per_node": cluster.gpus_per_node,
@@ -162,7 +162,7 @@ def _choice(config: RunConfig, values: dict, line: str, record: dict, runner_up:
 def _prediction(candidate: Candidate, unit: str) -> str:
     plan = candidate.plan
     memory = max(phase.memory.total for phase in plan.phases)
-    return (f"{plan.first.time.total:.3f} s a step, MFU {plan.mfu:.1%}, {memory / GB:.2f} GB per {unit}, "
+    return (f"{plan.first.time.total:.3f} s a step, MFU {plan.mfu:.1%}, at most {memory / GB:.2f} GB per {unit}, "
             f"{plan.hours:,.1f} h")
 
 
