@@ -33,8 +33,9 @@ import tomllib
 from zaya.errors import ZayaError
 
 KiB, MiB = 1 << 10, 1 << 20
-CAPS = {"pointer": 4 * KiB, "heartbeat": 64 * KiB, "template": MiB, "config": 4 * MiB, "document": 16 * MiB,
-        "manifest": 64 * MiB, "tokenizer": 256 * MiB}
+# "kept": what zaya keeps for itself beside a run (a calibration, a layout chosen at launch)
+CAPS = {"pointer": 4 * KiB, "heartbeat": 64 * KiB, "template": MiB, "kept": MiB, "config": 4 * MiB,
+        "document": 16 * MiB, "manifest": 64 * MiB, "tokenizer": 256 * MiB}
 LINE_CAP = 64 * KiB  # a log line longer than this is cut (`bounded_lines`)
 MAX_DEPTH = 64  # nesting of a JSON or TOML document: zaya's own go 5 deep; a chat's messages a few more
 

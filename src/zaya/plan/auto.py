@@ -28,11 +28,10 @@ from zaya.errors import ZayaError
 from zaya.owned import write_output
 from zaya.plan.devices import DeviceSpec
 from zaya.plan.search import Candidate, Constraints, describe, search_layouts
-from zaya.reading import open_regular, parse_json
+from zaya.reading import read_json
 from zaya.train.run import ResolvedRun
 
 SEARCH_VERSION = 1  # raised when the search or its cost model changes what it picks: older cache entries go unused
-CACHE_CAP = 1 << 16  # bytes of a cached choice: a few hundred are used
 GB = 1e9
 
 
@@ -212,12 +211,7 @@ class LayoutCache:
         return self.root / f"{key[:24]}.json"
 
     def read(self, key: str) -> dict | None:
-        try:
-            with open_regular(self._path(key), "a kept layout", follow_links=False) as handle:
-                data = handle.read(CACHE_CAP + 1)
-            kept = parse_json(data, self._path(key)) if len(data) <= CACHE_CAP else None
-        except (OSError, ZayaError):
-            return None
+        kept = _kept(self._path(key))
         if not isinstance(kept, dict) or kept.get("key") != key:
             return None
         values, record = kept.get("values"), kept.get("record")
@@ -242,14 +236,18 @@ def _layout_values_ok(values: dict) -> bool:
     return keys_ok and all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in values.values())
 
 
+def _kept(path: Path):
+    """The JSON kept at `path`, or None for anything else: missing, not a regular file (never read through: a FIFO
+    would block), over 1 MiB, not JSON."""
+    try:
+        return read_json(path, "kept", "a kept layout", follow_links=False)
+    except (OSError, ZayaError):
+        return None
+
+
 def _ours(path: Path) -> bool:
     """Whether `path` holds a choice this cache wrote (for another key of the same prefix, or an older version):
     a JSON object with a key of 64 hex digits."""
-    try:
-        with open_regular(path, "a kept layout", follow_links=False) as handle:
-            data = handle.read(CACHE_CAP + 1)
-        kept = parse_json(data, path) if len(data) <= CACHE_CAP else None
-    except (OSError, ZayaError):
-        return False
+    kept = _kept(path)
     key = kept.get("key") if isinstance(kept, dict) else None
     return isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)

@@ -36,12 +36,11 @@ from typing import Any
 
 from zaya.errors import ZayaError
 from zaya.plan.devices import DeviceSpec
-from zaya.reading import open_regular, os_reason, parse_json, read_json_object, read_lines
+from zaya.reading import read_json, read_json_object, read_lines
 from zaya.schema import Fields, is_a, shown
 
 FORMAT = "zaya-calibration"
 FORMAT_VERSION = 1
-FILE_CAP = 1 << 20  # bytes of a calibration file: zaya's take 400
 MIN_ROWS = 5  # measured steps a calibration needs: fewer say more about the warm-up than the device
 WARM_UP = 2  # each phase's first full-batch rows of a start: compilation, the allocator's first growth
 FACTOR_RANGE = (0.05, 20.0)  # beyond these a run measured something else (another device, a stalled filesystem)
@@ -105,15 +104,8 @@ def _positive(doc: Fields, name: str) -> float:
 
 def _file_data(path: Path):
     """The parsed JSON of a calibration file: a regular file (never read through a link, never a FIFO) of at
-    most `FILE_CAP` bytes."""
-    with open_regular(path, "a calibration file", follow_links=False) as handle:
-        try:
-            data = handle.read(FILE_CAP + 1)
-        except OSError as exc:
-            raise ZayaError(f"{path}: cannot read ({os_reason(exc)})") from None
-    if len(data) > FILE_CAP:
-        raise ZayaError(f"{path}: larger than 1 MiB, the limit for a calibration file")
-    return parse_json(data, path)
+    most 1 MiB."""
+    return read_json(path, "kept", "a calibration file", follow_links=False)
 
 
 def read_calibration(path: Path) -> Calibration:
