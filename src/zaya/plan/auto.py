@@ -138,7 +138,7 @@ def choose(config: RunConfig, run: ResolvedRun, cluster: Cluster, *, cache: Layo
     unit = cluster.device.unit
     settings = pin_line(values, config)
     line = (f"layout auto for {cluster.world_size} x {cluster.device.name} ({cluster.gpus_per_node} per node): "
-            f"{' '.join(describe(best).split())}; predicted {_prediction(best, unit)} (the fastest of "
+            f"{' '.join(describe(best).split())}; predicted {_prediction(best, unit)} (ranked first of "
             f"{len(fitting):,} that fit, of {len(ranked):,})"
             + (f"; the runner-up, {' '.join(describe(runner).split())}: {_prediction(runner, unit)}" if runner else "")
             + f"; pin it with {' '.join('--set ' + s for s in settings)}")

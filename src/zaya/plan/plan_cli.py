@@ -165,7 +165,7 @@ def plan(ctx, config_path, gpus, gpus_per_node, device_name, table_path, overrid
     from zaya.config import load_config
     from zaya.plan.devices import describe_devices
     from zaya.plan.planner import plan_compile, plan_precision, plan_run
-    from zaya.plan.search import MAX_GPUS, Constraints, describe, search_layouts, smallest_fit
+    from zaya.plan.search import MAX_GPUS, NEAR, Constraints, describe, search_layouts, smallest_fit
     from zaya.plan.table import cache_dir
 
     check_counts(gpus, gpus_per_node, top)
@@ -223,9 +223,13 @@ def plan(ctx, config_path, gpus, gpus_per_node, device_name, table_path, overrid
         fitting = [c for c in ranked if not c.reason]
         click.echo(f"{len(fitting)} of {len(ranked)} layouts fit on {gpus} x {device.name}; the fastest:")
         for candidate in fitting[:top]:
-            first = candidate.plan.first
             click.echo(f"  {describe(candidate)}  {candidate.plan.tokens_per_s_per_gpu:>9,.0f} tok/s/GPU  "
-                       f"MFU {candidate.plan.mfu:5.1%}  {first.memory.total / GB:6.1f} GB  {candidate.hours:10,.0f} h")
+                       f"MFU {candidate.plan.mfu:5.1%}  {candidate.peak_memory / GB:6.1f} GB  "
+                       f"{candidate.hours:10,.0f} h")
+        fastest = min(fitting, key=lambda c: c.hours) if fitting else None
+        if fastest is not None and fastest is not fitting[0]:
+            click.echo(f"  (the first is within {NEAR:.0%} of the fastest's {fastest.hours:,.1f} h, a tie the "
+                       f"predictions cannot break, and of those it needs the least memory)")
         if fitting:
             sets = " ".join(f"--set {setting}" for setting in fitting[0].settings())
             click.echo(f"the fastest, applied: zaya train {config_path} {sets}")

@@ -27,6 +27,10 @@ from zaya.train.run import ResolvedRun
 MAX_MICRO_BATCH = 16
 MAX_GPUS = 1 << 17
 GB = 1e9
+# layouts predicted within this fraction of the fastest's hours are a tie the cost model cannot break (its
+# errors are larger: docs/planning.md); of those the one that needs the least memory is ranked first, the
+# headroom kept against a prediction that is low
+NEAR = 0.01
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,11 @@ class Candidate:
     @property
     def hours(self) -> float:
         return self.plan.hours if self.plan is not None and not self.reason else float("inf")
+
+    @property
+    def peak_memory(self) -> float:
+        """Bytes per GPU of its most demanding phase (inf where it has no plan)."""
+        return max(phase.memory.total for phase in self.plan.phases) if self.plan is not None else float("inf")
 
     def settings(self) -> list[str]:
         """The `--set` overrides that give a run this layout: `Layout.settings`, with `parallel.cp` the cp of the
@@ -159,8 +168,9 @@ def _too_big(phase: str, memory: float, device: DeviceSpec) -> str:
 
 def search_layouts(run: ResolvedRun, gpus_per_node: int, device: DeviceSpec, table=None, progress: bool = False,
                    constraints: Constraints | None = None) -> list[Candidate]:
-    """One candidate per layout of `layouts` but cp, each phase at its fastest cp that fits: the fitting ones
-    first, fastest first, then the rejected (`progress`: a bar on stderr)."""
+    """One candidate per layout of `layouts` but cp, each phase at its fastest cp that fits, ranked (`rank`: the
+    fitting ones first, fastest first, the leanest of the near-fastest ahead of them; then the rejected;
+    `progress`: a bar on stderr)."""
     import sys
 
     from tqdm import tqdm
@@ -172,8 +182,18 @@ def search_layouts(run: ResolvedRun, gpus_per_node: int, device: DeviceSpec, tab
         groups.setdefault(_base(layout), []).append(layout)
     bar = tqdm(groups.values(), unit="layout", desc=f"layouts of {run.world_size} GPU(s)", file=sys.stderr,
                disable=not progress or not sys.stderr.isatty(), leave=False)
-    candidates = [_weigh(planner, group, constraints) for group in bar]
-    return sorted(candidates, key=lambda c: (bool(c.reason), c.hours))
+    return rank([_weigh(planner, group, constraints) for group in bar])
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """The fitting candidates first, fastest first, but for the first place: the leanest of those within `NEAR`
+    of the fastest; then the rejected."""
+    ranked = sorted(candidates, key=lambda c: (bool(c.reason), c.hours))
+    if ranked and not ranked[0].reason:
+        near = [c for c in ranked if not c.reason and c.hours <= ranked[0].hours * (1 + NEAR)]
+        lean = min(near, key=lambda c: (c.peak_memory, c.hours))
+        ranked.insert(0, ranked.pop(next(i for i, c in enumerate(ranked) if c is lean)))
+    return ranked
 
 
 def _base(layout: Layout) -> tuple:
