@@ -242,25 +242,25 @@ def launch_layout(config: RunConfig, precision: str, device: torch.device, launc
             kept = apply_layout(config, values)
             with contextlib.suppress(ZayaError):  # the config now gives a key that does not go with the rest
                 kept.resolve(world, precision, compiles_training(device)).check_job()
-                settings = pin_line(values, config)
-                return Choice(kept, values, settings, f"layout auto: kept the layout the run chose for its {world} "
-                                                      f"rank(s): {' '.join('--set ' + s for s in settings)}")
+                pinned = " ".join(f"--set {s}" for s in pin_line(values, config))
+                return Choice(kept, values, f"layout auto: kept the layout the run chose for its {world} rank(s): "
+                                            f"{pinned}")
     run = config.resolve(world, precision, compiles_training(device))
     cache = cache_dir(environ)
     own = f"training in the config's own layout ({_own(config)})"
     try:
         spec, table, note = target(run, device, default_table_path(precision, cache), launch.local_world_size, cache)
     except Exception as exc:  # a bad table or calibration: reported by `zaya plan`; the run starts as configured
-        return Choice(config, {}, [], f"layout auto: no plan ({type(exc).__name__}: {exc}); {own}")
+        return Choice(config, {}, f"layout auto: no plan ({type(exc).__name__}: {exc}); {own}")
     if note and not note.startswith(" "):
-        return Choice(config, {}, [], f"layout auto: {note}; {own}")
+        return Choice(config, {}, f"layout auto: {note}; {own}")
     cluster = Cluster(world, min(launch.local_world_size, world), spec, table)
     try:
         choice = choose(config, run, cluster, cache=LayoutCache(cache, writable=keep and launch.rank == 0))
     except ZayaError:
         raise  # nothing fits: said before anything is allocated
     except Exception as exc:  # a bug in the planner must not stop a run that would otherwise start
-        return Choice(config, {}, [], f"layout auto: no plan ({type(exc).__name__}: {exc}); {own}")
+        return Choice(config, {}, f"layout auto: no plan ({type(exc).__name__}: {exc}); {own}")
     choice.line += anew
     return choice
 

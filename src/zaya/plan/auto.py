@@ -52,10 +52,14 @@ class Choice:
 
     config: RunConfig
     values: dict[str, Any]  # {"parallel.ep": 8, ..., "phases.2.cp": 8}: what `apply_layout` set
-    settings: list[str]  # the `--set` items that pin it
     line: str  # what the run says of it
     record: dict | None = None  # the decision, for the run's config history (None: kept, nothing new)
     runner_up: str = ""  # the runner-up's prediction, for the measured step's check
+
+    @property
+    def settings(self) -> list[str]:
+        """The `--set` items that pin it (the config keeps what it gives: `RunConfig.given` goes with it)."""
+        return pin_line(self.values, self.config)
 
 
 def layout_values(candidate: Candidate, run: ResolvedRun) -> dict[str, Any]:
@@ -155,7 +159,7 @@ def choose(config: RunConfig, run: ResolvedRun, cluster: Cluster, *, cache: Layo
 
 
 def _choice(config: RunConfig, values: dict, line: str, record: dict, runner_up: str) -> Choice:
-    return Choice(apply_layout(config, values), values, pin_line(values, config), line, record, runner_up)
+    return Choice(apply_layout(config, values), values, line, record, runner_up)
 
 
 def _prediction(candidate: Candidate, unit: str) -> str:
@@ -225,7 +229,7 @@ class LayoutCache:
             return
         path = self._path(key)
         with contextlib.suppress(OSError, ZayaError):
-            if os.path.lexists(path) and self.read(key) is None and _ours(path) is False:
+            if os.path.lexists(path) and not _ours(path):
                 return  # something else in its place: left alone
             path.parent.mkdir(parents=True, exist_ok=True)
             write_output(path, json.dumps({"key": key, **choice}), overwrite=True)

@@ -207,13 +207,14 @@ def bandwidths_for(layout: Layout, device: DeviceSpec) -> dict[str, float]:
 
 def plan_phase(run: ResolvedRun, layout: Layout, seq_len: int, device: DeviceSpec, rates: Rates,
                details: DeviceDetails, name: str = "main", global_batch: int | None = None,
-               documents: DocumentPlan | None = None) -> PhasePlan:
+               documents: DocumentPlan | None = None, memory: Memory | None = None) -> PhasePlan:
     """The `PhasePlan` of one step of `global_batch` sequences (default: the full batch) of `seq_len` tokens
-    under `layout`; `documents`: the packed documents the phase keeps apart, if it does."""
+    under `layout`; `documents`: the packed documents the phase keeps apart, if it does; `memory`: its memory per
+    GPU where the caller has it already (`Planner.memory`)."""
     model, precision = run.model, run.precision
     step = _Step(run, layout, seq_len, global_batch, documents)
     layout, isolated, chunks = step.layout, documents is not None, step.chunks
-    memory = step.memory(device, details)
+    memory = memory or step.memory(device, details)
     tokens = layout.micro_batch_size * seq_len // layout.cp
 
     def by_mode() -> dict[str, int]:  # for the report only: asked of one plan, not of every layout searched
@@ -360,15 +361,16 @@ class Planner:
         return _Step(self.run, mesh, phase.seq_len, None, phase_documents(phase, index, phase.seq_len)).memory(
             self.device, self.details)
 
-    def phase(self, index: int, mesh: Layout) -> PhasePlan | None:
-        """Phase `index` on `mesh`, every step of it at its batch size; None for a phase with no steps."""
+    def phase(self, index: int, mesh: Layout, memory: Memory | None = None) -> PhasePlan | None:
+        """Phase `index` on `mesh`, every step of it at its batch size; None for a phase with no steps. `memory`:
+        what `memory` gave for it, if the caller asked already."""
         run, phase, runs = self.run, self.run.phases[index], self.schedule[index]
         if not runs:
             return None
         full = run.train.global_batch_size
         documents = phase_documents(phase, index, phase.seq_len)
         planned = plan_phase(run, mesh, phase.seq_len, self.device, self.rates, self.details, phase.name,
-                             documents=documents)
+                             documents=documents, memory=memory)
         seconds = {batch: step_seconds(run, mesh, phase.seq_len, self.device, self.rates, self.details, batch,
                                        documents)
                    for batch in {batch for batch, _ in runs} - {full}}

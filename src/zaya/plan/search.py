@@ -222,20 +222,20 @@ def _weigh(planner: Planner, group: list[Layout], constraints: Constraints) -> C
         for cp in options:
             try:
                 mesh = planner.mesh(index, first, cp)
-                memory = planner.memory(index, mesh).total
+                memory = planner.memory(index, mesh)
             except ZayaError as exc:
                 failure = failure or f"phase '{phase.name}': {str(exc).split(': ', 1)[-1]}"
                 continue
-            if memory <= device.memory_bytes:  # only what fits is timed: the rest needs no more than its memory
+            if memory.total <= device.memory_bytes:  # only what fits is timed: the rest needs no more than that
                 try:
-                    planned = planner.phase(index, mesh)
+                    planned = planner.phase(index, mesh, memory)
                 except ZayaError as exc:  # a batch of the ramp that does not split over its ranks
                     failure = failure or f"phase '{phase.name}': {str(exc).split(': ', 1)[-1]}"
                     continue
                 if best is None or planned.seconds < best.seconds:
                     best = planned
-            if leanest is None or memory < leanest:
-                leanest = memory
+            if leanest is None or memory.total < leanest:
+                leanest = memory.total
         if best is None and leanest is not None:
             reasons.append(_too_big(phase.name, leanest, device))
             shortfall = max(shortfall, leanest - device.memory_bytes)
