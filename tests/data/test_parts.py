@@ -210,7 +210,7 @@ def test_a_part_killed_midway_and_built_again_is_the_part(corpus, tokenizer, tmp
     import sys
     import time
 
-    from zaya.owned import staging_prefix
+    from zaya.owned import MARKER, staging_prefix
 
     big = tmp_path / "big"
     big.mkdir()
@@ -224,7 +224,9 @@ def test_a_part_killed_midway_and_built_again_is_the_part(corpus, tokenizer, tmp
                                stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     staging = staging_prefix(tmp_path / "part")
-    while not any(p.name.startswith(staging) for p in tmp_path.iterdir()):
+    # under way: its staging directory made and marked as zaya's (a kill between the two leaves a directory that
+    # no marker proves zaya's, which is left alone by design)
+    while not any(p.name.startswith(staging) and _written(p / MARKER) for p in tmp_path.iterdir()):
         assert time.monotonic() < deadline and process.poll() is None, "the build ended before it could be killed"
         time.sleep(0.005)
     os.killpg(process.pid, signal.SIGKILL)
@@ -234,6 +236,13 @@ def test_a_part_killed_midway_and_built_again_is_the_part(corpus, tokenizer, tmp
         assert subprocess.run([*args, "-o", str(tmp_path / out)], capture_output=True).returncode == 0
     assert open_dataset(tmp_path / "part").fingerprint == open_dataset(tmp_path / "alone").fingerprint
     assert not any(p.name.startswith(staging) for p in tmp_path.iterdir())  # the killed build's, cleared
+
+
+def _written(path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def test_verify_checks_the_recorded_content_too(cli, corpus, tokenizer, tmp_path):
